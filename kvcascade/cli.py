@@ -1,0 +1,234 @@
+"""The ``kvcascade`` command: ``serve`` (all in one process), ``worker`` (one worker) and ``generate``.
+
+Engine flags map onto EngineConfig fields and take their defaults from the dataclass, so the
+defaults live in one place; a flag left out is not passed at all.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import logging
+import re
+import signal
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from worker.engine.config import EngineConfig
+
+logger = logging.getLogger("kvcascade")
+
+_BYTE_UNITS = {
+    "": 1, "b": 1,
+    "k": 1024, "ki": 1024, "kib": 1024, "kb": 1000,
+    "m": 1024**2, "mi": 1024**2, "mib": 1024**2, "mb": 1000**2,
+    "g": 1024**3, "gi": 1024**3, "gib": 1024**3, "gb": 1000**3,
+    "t": 1024**4, "ti": 1024**4, "tib": 1024**4, "tb": 1000**4,
+}  # fmt: skip
+_BYTES_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
+
+
+def parse_bytes(text: str) -> int:
+    """'512MiB' -> 536870912. Binary for K/M/G/T, KiB.., Ki..; decimal for KB, MB, GB, TB."""
+    match = _BYTES_RE.match(text)
+    unit = match.group(2).lower() if match else None
+    if match is None or unit not in _BYTE_UNITS:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (try 512MiB, 2GiB or a number of bytes)")
+    return int(float(match.group(1)) * _BYTE_UNITS[unit])
+
+
+def _format_bytes(n: int) -> str:
+    for unit, size in (("GiB", 1024**3), ("MiB", 1024**2), ("KiB", 1024)):
+        if n % size == 0:
+            return f"{n // size}{unit}"
+    return str(n)
+
+
+@dataclass(frozen=True)
+class _EngineFlag:
+    flag: str
+    field: str  # the EngineConfig field it sets
+    type: Callable[[str], Any]
+    help: str
+
+
+_ENGINE_FLAGS = (
+    _EngineFlag("--model", "model", str, "built-in model name, a .gguf file or a safetensors folder"),
+    _EngineFlag("--device", "device", str, "torch device: cpu, cuda, cuda:1, ..."),
+    _EngineFlag("--dtype", "dtype", str, "weight and activation dtype: float32, bfloat16, float16"),
+    _EngineFlag("--block-size", "block_size", int, "tokens per KV-cache block"),
+    _EngineFlag("--max-num-seqs", "max_num_seqs", int, "most requests running in one step"),
+    _EngineFlag("--max-num-batched-tokens", "max_num_batched_tokens", int, "token budget of one engine step"),
+    _EngineFlag("--max-model-len", "max_model_len", int, "longest prompt plus completion, in tokens"),
+    _EngineFlag("--kv-cache-memory", "kv_cache_bytes", parse_bytes, "KV-cache size, e.g. 512MiB or 2GiB"),
+    _EngineFlag("--max-queued-requests", "max_queued_requests", int, "requests held before new ones get RESOURCE_EXHAUSTED"),
+    _EngineFlag("--seed", "seed", int, "seed of dummy (random) weights"),
+)
+
+
+def _field_default(field: dataclasses.Field[Any]) -> Any:
+    if field.default is not dataclasses.MISSING:
+        return field.default
+    if field.default_factory is not dataclasses.MISSING:
+        return field.default_factory()
+    return None
+
+
+def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
+    fields = {f.name: f for f in dataclasses.fields(EngineConfig)}
+    group = parser.add_argument_group("engine (EngineConfig)")
+    for spec in _ENGINE_FLAGS:
+        default = _field_default(fields[spec.field])
+        shown = "auto" if default is None else _format_bytes(default) if spec.type is parse_bytes else default
+        # SUPPRESS: an absent flag stays absent, so EngineConfig applies its own default.
+        group.add_argument(
+            spec.flag, dest=spec.field, type=spec.type, default=argparse.SUPPRESS,
+            metavar=spec.flag.removeprefix("--").replace("-", "_").upper(), help=f"{spec.help} (default: {shown})",
+        )  # fmt: skip
+
+
+def engine_config(args: argparse.Namespace) -> EngineConfig:
+    """The EngineConfig of the engine flags given on the command line."""
+    given = {spec.field: getattr(args, spec.field) for spec in _ENGINE_FLAGS if hasattr(args, spec.field)}
+    return EngineConfig(**given)
+
+
+def _add_server_flags(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("gRPC server")
+    group.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
+    group.add_argument("--port", type=int, default=50051, help="gRPC port; 0 picks a free one (default: %(default)s)")
+    group.add_argument(
+        "--grace-period", type=float, default=5.0,
+        help="seconds running requests get to finish on SIGINT/SIGTERM (default: %(default)s)",
+    )  # fmt: skip
+
+
+def _add_generate_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--target", default="127.0.0.1:50051", help="server address (default: %(default)s)")
+    parser.add_argument("--prompt", required=True, help="prompt text")
+    parser.add_argument("--chat", action="store_true", help="send the prompt as a user chat message")
+    parser.add_argument("--max-tokens", type=int, help="most tokens to generate (default: the server's)")
+    parser.add_argument("--temperature", type=float, help="0 is greedy (default: the server's)")
+    parser.add_argument("--seed", type=int, help="makes a sampled answer reproducible")
+    parser.add_argument("--timeout", type=float, help="deadline of the call in seconds")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kvcascade", description="Prefix-aware, cascading LLM serving.")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    # The router (and its --http-port for the OpenAI-style API) joins `serve` when it exists;
+    # until then `serve` and `worker` run the same process: one engine behind gRPC.
+    serve = commands.add_parser(
+        "serve", help="run everything in one process (the embedded default)",
+        description="Run the engine and its gRPC API in one process, on CPU by default.",
+    )  # fmt: skip
+    worker = commands.add_parser(
+        "worker", help="run one worker: an engine behind a gRPC server",
+        description="Run one worker: an engine behind the KVCascade gRPC service.",
+    )  # fmt: skip
+    for sub in (serve, worker):
+        _add_engine_flags(sub)
+        _add_server_flags(sub)
+    generate = commands.add_parser(
+        "generate", help="stream one completion from a running server to stdout",
+        description="Send one Generate call and stream the text to stdout; usage goes to stderr.",
+    )  # fmt: skip
+    _add_generate_flags(generate)
+    return parser
+
+
+# --- serve / worker ---------------------------------------------------------------------------
+
+
+async def _run_server(args: argparse.Namespace, role: str) -> None:
+    # Imported here so `kvcascade --help` and `generate` do not pay for torch.
+    from worker.engine.async_engine import AsyncEngine
+    from worker.engine.llm_engine import LLMEngine
+    from worker.server import WorkerServer
+
+    engine = AsyncEngine(LLMEngine(engine_config(args)))
+    engine.start()
+    server = WorkerServer(engine, args.host, args.port)
+    try:
+        await server.start()
+        logger.info("kvcascade %s ready: model %s on %s", role, engine.model_id, server.address)
+        await _wait_for_signal()
+        logger.info("shutting down (grace period %.1fs)", args.grace_period)
+        await server.stop(args.grace_period)
+    finally:
+        engine.shutdown()
+    logger.info("stopped")
+
+
+async def _wait_for_signal() -> None:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        await stop.wait()
+    finally:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.remove_signal_handler(sig)
+
+
+# --- generate ---------------------------------------------------------------------------------
+
+
+def _generate(args: argparse.Namespace) -> int:
+    import grpc
+
+    from protos import kvcascade_pb2 as pb
+    from protos import kvcascade_pb2_grpc as pb_grpc
+
+    sampling = pb.SamplingParams()
+    for name in ("max_tokens", "temperature", "seed"):
+        if getattr(args, name) is not None:
+            setattr(sampling, name, getattr(args, name))
+    request = pb.GenerateRequest(sampling=sampling)
+    if args.chat:
+        request.messages.messages.add(role="user", content=args.prompt)
+    else:
+        request.text = args.prompt
+    last = None
+    with grpc.insecure_channel(args.target) as channel:
+        try:
+            for last in pb_grpc.KVCascadeStub(channel).Generate(request, timeout=args.timeout):
+                sys.stdout.write(last.text)
+                sys.stdout.flush()
+        except grpc.RpcError as err:
+            print(f"\nerror: {err.code().name}: {err.details()}", file=sys.stderr)
+            return 1
+    print()
+    if last is not None:
+        u = last.usage
+        print(
+            f"[{last.finish_reason}] prompt {u.prompt_tokens} (cached {u.cached_tokens}), "
+            f"completion {u.completion_tokens} tokens, ttft {last.ttft_s * 1000:.0f} ms",
+            file=sys.stderr,
+        )
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command == "generate":
+        return _generate(args)
+    try:
+        engine_config(args)  # check the flags before loading anything
+    except ValueError as err:
+        parser.error(str(err))
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        asyncio.run(_run_server(args, role=args.command))
+    except KeyboardInterrupt:  # a Ctrl-C while the model is still loading
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,38 @@
+"""The engine's configuration: one typed source of defaults, checked on construction."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from protos.block_hash import DEFAULT_BLOCK_SIZE
+
+
+@dataclass
+class EngineConfig:
+    model: str = "smollm2-135m"  # built-in name, .gguf file, safetensors folder, or dummy:PRESET
+    device: str = "cpu"
+    dtype: str = "float32"  # float32 | bfloat16 | float16
+    attention_backend: str = "torch"
+    block_size: int = DEFAULT_BLOCK_SIZE
+    # The KV pool's size in bytes; the pool is allocated once at start.
+    kv_cache_bytes: int = 256 * 2**20
+    num_kv_blocks: int | None = None  # overrides kv_cache_bytes when set (tests, benchmarks)
+    # Tokens one step may process: decodes plus chunks of prefills (chunked prefill).
+    max_num_batched_tokens: int = 512
+    max_num_seqs: int = 64  # running sequences at once
+    max_model_len: int | None = None  # prompt + output; None: the model's context length
+    max_queued_requests: int = 256  # waiting + running; past it a request is refused (overload)
+    enable_prefix_caching: bool = True
+    seed: int = 0  # dummy weights
+
+    def __post_init__(self) -> None:
+        positive = ("block_size", "kv_cache_bytes", "max_num_batched_tokens", "max_num_seqs", "max_queued_requests")
+        for name in positive:
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
+            raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
+        if self.dtype not in ("float32", "bfloat16", "float16"):
+            raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")

@@ -1,0 +1,50 @@
+"""What the engine hands back per request: incremental updates, usage and engine statistics."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]] = field(default_factory=list)  # (token id, logprob), best first
+
+
+@dataclass
+class Usage:
+    prompt_tokens: int
+    cached_tokens: int  # prompt tokens whose KV came from the prefix cache
+    completion_tokens: int
+
+
+@dataclass
+class RequestOutput:
+    """One incremental update of a request: the tokens produced since the last update."""
+
+    request_id: str
+    new_token_ids: list[int]
+    text_delta: str
+    logprobs: list[TokenLogprob] | None = None  # one per new token when asked for
+    finished: bool = False
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
+    usage: Usage | None = None  # on the last update
+    ttft_s: float | None = None  # on the last update: seconds from arrival to first token
+    error: str | None = None  # with finish_reason "error"
+
+
+@dataclass
+class EngineStats:
+    running: int
+    waiting: int
+    kv_blocks_total: int
+    kv_blocks_free: int  # free or evictable (cached but unreferenced)
+    kv_blocks_used: int
+    prefix_queries: int  # prompt tokens looked up in the prefix cache
+    prefix_hits: int  # of those, tokens found
+    block_size: int
+
+    @property
+    def prefix_hit_rate(self) -> float:
+        return self.prefix_hits / self.prefix_queries if self.prefix_queries else 0.0

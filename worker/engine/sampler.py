@@ -1,0 +1,64 @@
+"""Per-request sampling inside one batch: greedy, temperature, top-k, top-p, seeds, logprobs.
+
+Logprobs are those of the model's own distribution (before temperature and cuts), which is what
+a confidence measure wants. A seeded request draws from its own generator, so its tokens do not
+depend on what else shares the batch.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from worker.engine.outputs import TokenLogprob
+from worker.engine.sampling_params import SamplingParams
+
+
+def sample(
+    logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]
+) -> tuple[list[int], list[TokenLogprob | None]]:
+    """One token per row of ``logits`` [N, V]; with it, its logprob entry when asked for."""
+    logits = logits.float()
+    tokens = logits.argmax(dim=-1)
+    sampled_rows = [i for i, p in enumerate(params) if not p.greedy]
+    if sampled_rows:
+        rows = torch.tensor(sampled_rows, device=logits.device)
+        sub = logits[rows] / torch.tensor([params[i].temperature for i in sampled_rows], device=logits.device).unsqueeze(1)
+        sub = _apply_top_k(sub, [params[i].top_k for i in sampled_rows])
+        sub = _apply_top_p(sub, [params[i].top_p for i in sampled_rows])
+        probs = sub.softmax(dim=-1)
+        for j, i in enumerate(sampled_rows):
+            tokens[i] = torch.multinomial(probs[j].cpu(), 1, generator=generators[i]).item()
+    token_list = tokens.tolist()
+    want = [i for i, p in enumerate(params) if p.logprobs is not None]
+    entries: list[TokenLogprob | None] = [None] * len(params)
+    if want:
+        logprobs = logits[want].log_softmax(dim=-1)
+        top_n = max(params[i].logprobs for i in want)
+        top_vals, top_ids = logprobs.topk(top_n, dim=-1) if top_n else (None, None)
+        chosen = logprobs.gather(1, tokens[want].unsqueeze(1)).squeeze(1).tolist()
+        for j, i in enumerate(want):
+            n = params[i].logprobs
+            top = list(zip(top_ids[j, :n].tolist(), top_vals[j, :n].tolist())) if n else []
+            entries[i] = TokenLogprob(token_list[i], chosen[j], top)
+    return token_list, entries
+
+
+def _apply_top_k(logits: torch.Tensor, top_ks: list[int]) -> torch.Tensor:
+    if not any(top_ks):
+        return logits
+    vocab = logits.shape[-1]
+    k = torch.tensor([k if 0 < k < vocab else vocab for k in top_ks], device=logits.device)
+    kth = logits.sort(dim=-1, descending=True).values.gather(1, (k - 1).unsqueeze(1))
+    return logits.masked_fill(logits < kth, float("-inf"))
+
+
+def _apply_top_p(logits: torch.Tensor, top_ps: list[float]) -> torch.Tensor:
+    if all(p >= 1.0 for p in top_ps):
+        return logits
+    p = torch.tensor(top_ps, device=logits.device).unsqueeze(1)
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    probs = sorted_logits.softmax(dim=-1)
+    # Drop a token when the tokens ranked above it already reach top_p (the best one always stays).
+    drop = probs.cumsum(dim=-1) - probs >= p
+    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    return torch.empty_like(logits).scatter_(1, order, sorted_logits)

@@ -1,0 +1,73 @@
+"""One request's state inside the engine."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from worker.engine.outputs import TokenLogprob
+from worker.engine.sampling_params import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class Sequence:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    arrival_time: float = field(default_factory=time.monotonic)
+    status: SequenceStatus = SequenceStatus.WAITING
+    # prompt + output tokens: what the KV cache must eventually hold
+    token_ids: list[int] = field(default_factory=list)
+    # tokens whose K/V are in this sequence's blocks; a step computes [num_computed, +num_new)
+    num_computed_tokens: int = 0
+    block_table: list[int] = field(default_factory=list)
+    # chained hashes of the full blocks of token_ids that are registered (or found) in the cache
+    block_hashes: list[int] = field(default_factory=list)
+    num_cached_tokens: int | None = None  # prompt tokens served from cache, fixed at first admission
+    first_token_time: float | None = None
+    finish_reason: str | None = None
+    error: str | None = None
+    num_preemptions: int = 0
+    generator: torch.Generator | None = None  # per-request RNG when a seed is given
+    # Detokenization and streaming state (see detokenizer.py)
+    output_text: str = ""
+    emitted_text_len: int = 0
+    prefix_offset: int = 0
+    read_offset: int = 0
+    pending_token_ids: list[int] = field(default_factory=list)  # produced, not yet handed out
+    pending_logprobs: list[TokenLogprob] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if not self.token_ids:
+            self.token_ids = list(self.prompt_token_ids)
+        if self.params.seed is not None:
+            self.generator = torch.Generator().manual_seed(self.params.seed)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED

@@ -1,0 +1,160 @@
+"""Paged attention behind one interface; the per-step metadata lives in a forward context.
+
+The model runner builds an ``AttentionMetadata`` once per step and sets it as the forward
+context, so a model's forward stays ``forward(input_ids, positions)``. Each attention layer then
+writes its new K/V into the paged pool and attends over the sequence's blocks.
+
+Token layout of one step (T new tokens, B sequences, flattened, decodes first):
+
+    seq:        | d0 | d1 | d2 |  p0 (chunk of 5)  |  p1 (chunk of 3) |
+    query_start   0    1    2    3                   8                  11
+    context_len = cached/computed tokens before this step + the new ones (what the query sees)
+
+A backend is chosen by name (``create_attention_backend``); the torch one runs anywhere and is
+the reference the Triton backend is checked against.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Iterator
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class AttentionMetadata:
+    slot_mapping: torch.Tensor  # [T] long: flat pool slot (block * block_size + offset) per new token
+    query_start: list[int]  # [B + 1] offsets of each sequence's new tokens in the flat batch
+    context_lens: list[int]  # [B] tokens each sequence attends over (prefix + new)
+    block_tables: list[list[int]]  # [B] the physical blocks of each sequence, in order
+    block_size: int
+    num_decodes: int  # the first num_decodes sequences have exactly one new token
+    # Backend-specific tensors built once per step (not once per layer).
+    extra: dict[str, object] = field(default_factory=dict)
+
+
+_context: AttentionMetadata | None = None
+
+
+@contextmanager
+def forward_context(meta: AttentionMetadata) -> Iterator[None]:
+    global _context
+    prev, _context = _context, meta
+    try:
+        yield
+    finally:
+        _context = prev
+
+
+def get_forward_context() -> AttentionMetadata:
+    assert _context is not None, "attention called outside a forward_context"
+    return _context
+
+
+class AttentionBackend:
+    """Writes new K/V into a layer's paged cache and attends over it."""
+
+    name = "base"
+
+    def prepare(self, meta: AttentionMetadata, device: torch.device) -> None:
+        """Build per-step tensors into ``meta.extra``; called once before the forward pass."""
+
+    def forward(
+        self,
+        q: torch.Tensor,  # [T, H, D]
+        k: torch.Tensor,  # [T, KVH, D]
+        v: torch.Tensor,  # [T, KVH, D]
+        k_cache: torch.Tensor,  # [num_blocks, block_size, KVH, D]
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:  # [T, H, D]
+        raise NotImplementedError
+
+
+class TorchAttentionBackend(AttentionBackend):
+    """Plain torch: gathers each sequence's K/V from its blocks and calls SDPA.
+
+    Decodes are batched (padded to the longest context, masked); prefill chunks go one sequence
+    at a time, since padding a long chunk against many decodes would waste more than it saves.
+    """
+
+    name = "torch"
+
+    def prepare(self, meta: AttentionMetadata, device: torch.device) -> None:
+        bs = meta.block_size
+        nd = meta.num_decodes
+        if nd:
+            max_ctx = max(meta.context_lens[:nd])
+            slots = torch.zeros(nd, max_ctx, dtype=torch.long)
+            mask = torch.zeros(nd, 1, 1, max_ctx, dtype=torch.bool)
+            for i in range(nd):
+                ctx = meta.context_lens[i]
+                slots[i, :ctx] = _slots_of(meta.block_tables[i], ctx, bs)
+                mask[i, 0, 0, :ctx] = True
+            meta.extra["decode_slots"] = slots.to(device)
+            meta.extra["decode_mask"] = mask.to(device)
+        prefills = []
+        for i in range(nd, len(meta.context_lens)):
+            ctx = meta.context_lens[i]
+            q_len = meta.query_start[i + 1] - meta.query_start[i]
+            slots = _slots_of(meta.block_tables[i], ctx, bs).to(device)
+            mask = None
+            if ctx != q_len:  # a cached or earlier-chunk prefix: causal with an offset
+                q_pos = torch.arange(ctx - q_len, ctx).unsqueeze(1)
+                mask = (torch.arange(ctx).unsqueeze(0) <= q_pos).to(device)
+            prefills.append((slots, mask))
+        meta.extra["prefills"] = prefills
+
+    def forward(self, q, k, v, k_cache, v_cache, meta, scale):
+        num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
+        k_flat = k_cache.view(-1, num_kv_heads, head_dim)
+        v_flat = v_cache.view(-1, num_kv_heads, head_dim)
+        k_flat.index_copy_(0, meta.slot_mapping, k)
+        v_flat.index_copy_(0, meta.slot_mapping, v)
+        out = torch.empty_like(q)
+        nd = meta.num_decodes
+        if nd:
+            slots = meta.extra["decode_slots"]  # [nd, max_ctx]
+            kd = k_flat[slots].transpose(1, 2)  # [nd, KVH, max_ctx, D]
+            vd = v_flat[slots].transpose(1, 2)
+            qd = q[:nd].unsqueeze(2)  # [nd, H, 1, D]
+            od = F.scaled_dot_product_attention(
+                qd, kd, vd, attn_mask=meta.extra["decode_mask"], scale=scale, enable_gqa=True
+            )
+            out[:nd] = od.squeeze(2)
+        for i, (slots, mask) in enumerate(meta.extra["prefills"], start=nd):
+            s, e = meta.query_start[i], meta.query_start[i + 1]
+            qp = q[s:e].transpose(0, 1)  # [H, q_len, D]
+            kp = k_flat[slots].transpose(0, 1)  # [KVH, ctx, D]
+            vp = v_flat[slots].transpose(0, 1)
+            op = F.scaled_dot_product_attention(
+                qp, kp, vp, attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=True
+            )
+            out[s:e] = op.transpose(0, 1)
+        return out
+
+
+def _slots_of(block_table: list[int], num_tokens: int, block_size: int) -> torch.Tensor:
+    """Flat pool slots of a sequence's first ``num_tokens`` tokens."""
+    blocks = torch.tensor(block_table, dtype=torch.long)
+    pos = torch.arange(num_tokens)
+    return blocks[pos // block_size] * block_size + pos % block_size
+
+
+_BACKENDS: dict[str, type[AttentionBackend]] = {"torch": TorchAttentionBackend}
+
+
+def register_attention_backend(cls: type[AttentionBackend]) -> type[AttentionBackend]:
+    _BACKENDS[cls.name] = cls
+    return cls
+
+
+def create_attention_backend(name: str) -> AttentionBackend:
+    try:
+        return _BACKENDS[name]()
+    except KeyError:
+        raise ValueError(f"unknown attention backend {name!r}; known: {sorted(_BACKENDS)}") from None

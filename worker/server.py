@@ -1,0 +1,219 @@
+"""Expose one engine over gRPC: the KVCascade service, grpc.health.v1 and server reflection.
+
+The server is a thin translation layer: proto request -> engine call -> proto responses, and
+engine errors -> gRPC status codes. It holds no request state of its own; the engine does.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import uuid
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from protos import kvcascade_pb2 as pb
+from protos import kvcascade_pb2_grpc as pb_grpc
+from worker.engine.async_engine import AsyncEngine
+from worker.engine.errors import EngineDeadError, InvalidRequestError, QueueFullError
+from worker.engine.outputs import RequestOutput
+from worker.engine.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["KVCascade"].full_name
+_SAMPLING_FIELDS = frozenset(pb.SamplingParams.DESCRIPTOR.fields_by_name)
+_SERVING = health_pb2.HealthCheckResponse.SERVING
+_NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+
+
+# --- proto <-> engine translation -------------------------------------------------------------
+
+
+def _field_path(engine_field: str) -> str:
+    """The proto path of a field the engine complained about, so clients can find it."""
+    return f"sampling.{engine_field}" if engine_field in _SAMPLING_FIELDS else engine_field
+
+
+def _prompt_kwargs(request: pb.GenerateRequest) -> dict[str, Any]:
+    """The engine's prompt argument for whichever member of the ``prompt`` oneof is set."""
+    kind = request.WhichOneof("prompt")
+    if kind is None:
+        raise InvalidRequestError("prompt", "set one of text, token_ids or messages")
+    if kind == "text":
+        return {"prompt": request.text}
+    if kind == "token_ids":
+        return {"prompt_token_ids": list(request.token_ids.ids)}
+    return {"messages": [{"role": m.role, "content": m.content} for m in request.messages.messages]}
+
+
+def _sampling_params(sampling: pb.SamplingParams) -> SamplingParams:
+    """Only the fields the client set are passed on, so SamplingParams keeps the one set of defaults.
+
+    ListFields() yields optional fields that are present and plain fields that are non-zero; the
+    zero of every plain field (top_k 0, no stops, ignore_eos false) equals the engine default.
+    """
+    kwargs: dict[str, Any] = {}
+    for descriptor, value in sampling.ListFields():
+        kwargs[descriptor.name] = list(value) if descriptor.is_repeated else value
+    return SamplingParams(**kwargs)
+
+
+def _response(out: RequestOutput) -> pb.GenerateResponse:
+    response = pb.GenerateResponse(request_id=out.request_id, token_ids=out.new_token_ids, text=out.text_delta)
+    for lp in out.logprobs or ():
+        top = [pb.TopLogprob(token_id=t, logprob=p) for t, p in lp.top]
+        response.logprobs.add(token_id=lp.token_id, logprob=lp.logprob, top=top)
+    if out.finished:
+        response.finish_reason = out.finish_reason or ""
+        if out.usage is not None:
+            response.usage.CopyFrom(
+                pb.Usage(
+                    prompt_tokens=out.usage.prompt_tokens,
+                    cached_tokens=out.usage.cached_tokens,
+                    completion_tokens=out.usage.completion_tokens,
+                )
+            )
+        if out.ttft_s is not None:
+            response.ttft_s = out.ttft_s
+        if out.error:
+            response.error = out.error
+    return response
+
+
+def _status_for(exc: Exception) -> tuple[grpc.StatusCode, str]:
+    """The gRPC status a failed request ends with."""
+    if isinstance(exc, InvalidRequestError):
+        return grpc.StatusCode.INVALID_ARGUMENT, f"{_field_path(exc.field)}: {exc.message}"
+    if isinstance(exc, QueueFullError):
+        return grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc) or "the request queue is full"
+    if isinstance(exc, EngineDeadError):
+        return grpc.StatusCode.UNAVAILABLE, str(exc) or "the engine has stopped"
+    logger.exception("request failed with an unexpected error", exc_info=exc)
+    return grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}: {exc}"
+
+
+# --- the service ------------------------------------------------------------------------------
+
+
+class WorkerServicer(pb_grpc.KVCascadeServicer):
+    """The KVCascade service backed by one in-process engine."""
+
+    def __init__(self, engine: AsyncEngine):
+        self._engine = engine
+
+    async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> None:
+        # A coroutine handler writing with context.write (rather than an async generator handler)
+        # so that a cancelled call raises CancelledError *here*, and the finally below closes the
+        # engine stream at once instead of whenever the abandoned generator is garbage collected.
+        try:
+            await self._stream(request, context)
+        except Exception as exc:
+            code, details = _status_for(exc)
+            if not context.done():
+                await context.abort(code, details)
+
+    async def _stream(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> None:
+        if request.model and request.model != self._engine.model_id:
+            raise InvalidRequestError("model", f"this server serves {self._engine.model_id!r}, not {request.model!r}")
+        outputs = self._engine.generate(
+            request.request_id or uuid.uuid4().hex,
+            **_prompt_kwargs(request),
+            params=_sampling_params(request.sampling),
+        )
+        try:
+            async for out in outputs:
+                await context.write(_response(out))
+        finally:
+            # On client cancellation or a passed deadline the handler task is cancelled; closing
+            # the stream aborts the request in the engine and frees its KV blocks.
+            await outputs.aclose()
+
+    async def Stats(self, request: pb.StatsRequest, context: grpc.aio.ServicerContext) -> pb.StatsResponse:
+        stats = self._engine.stats()
+        return pb.StatsResponse(
+            running=stats.running,
+            waiting=stats.waiting,
+            kv_blocks_total=stats.kv_blocks_total,
+            kv_blocks_used=stats.kv_blocks_used,
+            kv_blocks_free=stats.kv_blocks_free,
+            prefix_hit_rate=stats.prefix_hit_rate,
+            prefix_queries=stats.prefix_queries,
+            prefix_hits=stats.prefix_hits,
+            block_size=stats.block_size,
+            model=self._engine.model_id,
+        )
+
+
+# --- the server -------------------------------------------------------------------------------
+
+
+class WorkerServer:
+    """A grpc.aio server for one engine, with health checking that follows the engine's health."""
+
+    def __init__(self, engine: AsyncEngine, host: str = "127.0.0.1", port: int = 50051, *, health_poll_s: float = 1.0):
+        self.engine = engine
+        self.host = host
+        self.port = port  # 0 picks a free port; start() stores the bound one
+        self._health_poll_s = health_poll_s
+        self._server: grpc.aio.Server | None = None
+        self._health = health.aio.HealthServicer()
+        self._health_task: asyncio.Task[None] | None = None
+
+    @property
+    def address(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"{host}:{self.port}"
+
+    async def start(self) -> None:
+        server = grpc.aio.server()
+        pb_grpc.add_KVCascadeServicer_to_server(WorkerServicer(self.engine), server)
+        health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
+        reflection.enable_server_reflection(
+            (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server
+        )
+        self.port = server.add_insecure_port(self.address)
+        await server.start()
+        self._server = server
+        # Set before returning, so a health check right after start() never sees NOT_FOUND.
+        status = _SERVING if self.engine.is_healthy() else _NOT_SERVING
+        await self._set_health(status)
+        self._health_task = asyncio.create_task(self._follow_engine_health(status), name="kvcascade-health")
+
+    async def stop(self, grace_s: float | None = 5.0) -> None:
+        """Refuse new calls, give running ones ``grace_s`` to finish, then cancel (and so abort) them."""
+        # NOT_SERVING first, so load balancers stop sending before the port closes.
+        await self._health.enter_graceful_shutdown()
+        if self._health_task is not None:
+            self._health_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._health_task
+        if self._server is not None:
+            await self._server.stop(grace_s)
+
+    async def wait_for_termination(self) -> None:
+        if self._server is not None:
+            await self._server.wait_for_termination()
+
+    async def _set_health(self, status: int) -> None:
+        for service in ("", SERVICE_NAME):
+            await self._health.set(service, status)
+
+    async def _follow_engine_health(self, status: int) -> None:
+        while True:
+            await asyncio.sleep(self._health_poll_s)
+            current = _SERVING if self.engine.is_healthy() else _NOT_SERVING
+            if current != status:
+                await self._set_health(current)
+                status = current
+
+
+async def serve(engine: AsyncEngine, host: str = "127.0.0.1", port: int = 50051) -> WorkerServer:
+    """Start serving ``engine`` on host:port (port 0: a free one, see ``.port``)."""
+    server = WorkerServer(engine, host, port)
+    await server.start()
+    return server
