@@ -64,7 +64,7 @@ _ENGINE_FLAGS = (
     _EngineFlag("--max-num-batched-tokens", "max_num_batched_tokens", int, "token budget of one engine step"),
     _EngineFlag("--max-model-len", "max_model_len", int, "longest prompt plus completion, in tokens"),
     _EngineFlag("--kv-cache-memory", "kv_cache_bytes", parse_bytes, "KV-cache size, e.g. 512MiB or 2GiB"),
-    _EngineFlag("--max-queued-requests", "max_queued_requests", int, "requests held before new ones get RESOURCE_EXHAUSTED"),
+    _EngineFlag("--max-queued-requests", "max_queued_requests", int, "requests in flight before new ones are refused"),
     _EngineFlag("--seed", "seed", int, "seed of dummy (random) weights"),
 )
 

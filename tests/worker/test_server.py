@@ -60,11 +60,12 @@ class Served:
         return self.stub.Stats(pb.StatsRequest(), timeout=10)
 
 
-def _serve(config: EngineConfig) -> Iterator[Served]:
+def _serve(config: EngineConfig, reuse: LLMEngine) -> Iterator[Served]:
+    """Serve a new engine of ``config`` built on ``reuse``'s loaded model and tokenizer (loading takes seconds)."""
     loop = _LoopThread()
 
     async def start() -> tuple[AsyncEngine, WorkerServer]:
-        engine = AsyncEngine(LLMEngine(config))
+        engine = AsyncEngine(LLMEngine(config, tokenizer=reuse.tokenizer, model=reuse.model))
         engine.start()
         return engine, await serve(engine, "127.0.0.1", 0)
 
@@ -79,14 +80,16 @@ def _serve(config: EngineConfig) -> Iterator[Served]:
         loop.close()
 
 
+# smollm2 (tests/worker/conftest.py): the session's loaded SmolLM2, shared with the engine tests.
 @pytest.fixture(scope="module")
-def served() -> Iterator[Served]:
-    yield from _serve(EngineConfig(model="smollm2-135m"))
+def served(smollm2: LLMEngine) -> Iterator[Served]:
+    yield from _serve(EngineConfig(model="smollm2-135m"), reuse=smollm2)
 
 
 @pytest.fixture(scope="module")
-def served_small_queue() -> Iterator[Served]:
-    yield from _serve(EngineConfig(model="smollm2-135m", max_num_seqs=1, max_queued_requests=1))
+def served_small_queue(smollm2: LLMEngine) -> Iterator[Served]:
+    config = EngineConfig(model="smollm2-135m", max_num_seqs=1, max_queued_requests=1, num_kv_blocks=64)
+    yield from _serve(config, reuse=smollm2)
 
 
 def _generate(served: Served, **fields: Any) -> list[pb.GenerateResponse]:
@@ -138,7 +141,8 @@ def test_greedy_over_grpc_equals_the_engine_directly(served: Served) -> None:
 
     async def direct() -> list[int]:
         params = SamplingParams(max_tokens=8, temperature=0.0)
-        return [t async for out in served.engine.generate("direct", prompt=prompt, params=params) for t in out.new_token_ids]
+        outputs = served.engine.generate("direct", prompt=prompt, params=params)
+        return [t async for out in outputs for t in out.new_token_ids]
 
     assert over_grpc == served.loop.run(direct())
 
@@ -190,7 +194,8 @@ def test_stats(served: Served) -> None:
 
 
 def _long_prompt(served: Served) -> dict[str, Any]:
-    return {"token_ids": pb.TokenIds(ids=[served.engine.tokenizer.encode("hello")[0]] * (served.engine.max_model_len + 1))}
+    token = served.engine.tokenizer.encode("hello")[0]
+    return {"token_ids": pb.TokenIds(ids=[token] * (served.engine.max_model_len + 1))}
 
 
 BAD_REQUESTS = {
@@ -207,7 +212,7 @@ BAD_REQUESTS = {
 }
 
 
-@pytest.mark.parametrize("case", BAD_REQUESTS.values(), ids=BAD_REQUESTS.keys())
+@pytest.mark.parametrize("case", list(BAD_REQUESTS.values()), ids=list(BAD_REQUESTS))
 def test_bad_field_is_invalid_argument_naming_it(served: Served, case: tuple[Any, str]) -> None:
     fields, path = case
     if callable(fields):

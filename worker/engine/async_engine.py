@@ -11,11 +11,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
-from worker.engine.errors import EngineDeadError, QueueFullError
+from worker.engine.errors import EngineDeadError, InvalidRequestError, QueueFullError
 from worker.engine.llm_engine import LLMEngine
 from worker.engine.outputs import EngineStats, RequestOutput
 from worker.engine.sampling_params import SamplingParams
@@ -87,8 +88,6 @@ class AsyncEngine:
         params: SamplingParams,
     ) -> AsyncIterator[RequestOutput]:
         """Stream a request's updates; leaving the iteration early aborts it and frees its blocks."""
-        import time
-
         request_id = request_id or uuid.uuid4().hex
         if prompt_token_ids is None:
             prompt_token_ids = self.engine.tokenize(prompt=prompt, messages=messages)
@@ -102,8 +101,6 @@ class AsyncEngine:
                     f"{len(self._streams)} requests in flight (max_queued_requests="
                     f"{self.engine.config.max_queued_requests}); retry later")
             if request_id in self._streams:
-                from worker.engine.errors import InvalidRequestError
-
                 raise InvalidRequestError("request_id", f"{request_id!r} is already in flight")
             self._streams[request_id] = stream
             self._adds.append((request_id, prompt_token_ids, params, time.monotonic()))

@@ -32,7 +32,9 @@ log = logging.getLogger(__name__)
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig, tokenizer=None):
+    def __init__(self, config: EngineConfig, tokenizer=None, model: LlamaForCausalLM | None = None):
+        """``tokenizer`` and ``model`` reuse ones already loaded for the same ``config.model``
+        (the model holds no per-engine state: the KV pool is the runner's)."""
         self.config = config
         source = resolve_model(config.model)
         self.model_id = source.model_id
@@ -43,13 +45,14 @@ class LLMEngine:
         self.eos_token_ids = set(self.model_config.eos_token_ids)
         dtype = DTYPES[config.dtype]
         backend = create_attention_backend(config.attention_backend)
-        torch.manual_seed(config.seed)
-        with torch.device(config.device):
-            model = LlamaForCausalLM(self.model_config, backend)
-        if source.kind == "dummy":
-            _init_dummy(model)
-        else:
-            model.load_weights(iter_weights(source))
+        if model is None:
+            torch.manual_seed(config.seed)
+            with torch.device(config.device):
+                model = LlamaForCausalLM(self.model_config, backend)
+            if source.kind == "dummy":
+                _init_dummy(model)
+            else:
+                model.load_weights(iter_weights(source))
         self.model = model.to(dtype=dtype).eval()
         num_blocks = config.num_kv_blocks or config.kv_cache_bytes // kv_bytes_per_block(
             self.model_config, config.block_size, dtype)

@@ -1,7 +1,7 @@
 """Turns a scheduled step into model inputs, runs the model, and samples.
 
 It owns the KV pool: one [num_blocks, block_size, kv_heads, head_dim] tensor for K and one for V
-per layer, allocated once and bound to the model's attention layers.
+per layer, allocated once and handed to the model with each step's attention metadata.
 """
 
 from __future__ import annotations
@@ -33,11 +33,10 @@ class ModelRunner:
         self.block_size = config.block_size
         dtype = DTYPES[config.dtype]
         shape = (num_blocks, config.block_size, model_cfg.num_kv_heads, model_cfg.head_dim)
-        self.kv_cache = []
-        for attn in model.attention_layers():
-            attn.k_cache = torch.zeros(shape, dtype=dtype, device=self.device)
-            attn.v_cache = torch.zeros(shape, dtype=dtype, device=self.device)
-            self.kv_cache.append((attn.k_cache, attn.v_cache))
+        self.kv_caches = [
+            (torch.zeros(shape, dtype=dtype, device=self.device), torch.zeros(shape, dtype=dtype, device=self.device))
+            for _ in range(model_cfg.num_layers)
+        ]
 
     @torch.inference_mode()
     def run(self, batch: list[ScheduledSeq]) -> list[tuple[int, TokenLogprob | None] | None]:
@@ -68,6 +67,7 @@ class ModelRunner:
             block_tables=block_tables,
             block_size=bs,
             num_decodes=num_decodes,
+            kv_caches=self.kv_caches,
         )
         self.backend.prepare(meta, self.device)
         ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)

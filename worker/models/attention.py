@@ -32,6 +32,9 @@ class AttentionMetadata:
     block_tables: list[list[int]]  # [B] the physical blocks of each sequence, in order
     block_size: int
     num_decodes: int  # the first num_decodes sequences have exactly one new token
+    # Per layer (k_cache, v_cache), each [num_blocks, block_size, KVH, D]. The pool travels with the
+    # step rather than living in the model, so one loaded model can serve several engines.
+    kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
     # Backend-specific tensors built once per step (not once per layer).
     extra: dict[str, object] = field(default_factory=dict)
 

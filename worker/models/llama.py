@@ -17,8 +17,9 @@ from worker.models.layers import RMSNorm, RotaryEmbedding, SiluAndMul
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, cfg: ModelConfig, backend: AttentionBackend):
+    def __init__(self, cfg: ModelConfig, backend: AttentionBackend, layer_idx: int):
         super().__init__()
+        self.layer_idx = layer_idx
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
@@ -27,9 +28,6 @@ class LlamaAttention(nn.Module):
         self.rotary = RotaryEmbedding(self.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
         self.backend = backend
         self.scale = self.head_dim**-0.5
-        # Bound by the model runner once the KV pool exists.
-        self.k_cache = torch.empty(0)
-        self.v_cache = torch.empty(0)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
@@ -37,7 +35,9 @@ class LlamaAttention(nn.Module):
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         q, k = self.rotary(positions, q, k)
-        o = self.backend.forward(q, k, v, self.k_cache, self.v_cache, get_forward_context(), self.scale)
+        meta = get_forward_context()
+        k_cache, v_cache = meta.kv_caches[self.layer_idx]
+        o = self.backend.forward(q, k, v, k_cache, v_cache, meta, self.scale)
         return self.o_proj(o.reshape(-1, self.q_size))
 
 
@@ -53,9 +53,9 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, backend: AttentionBackend):
+    def __init__(self, cfg: ModelConfig, backend: AttentionBackend, layer_idx: int):
         super().__init__()
-        self.self_attn = LlamaAttention(cfg, backend)
+        self.self_attn = LlamaAttention(cfg, backend, layer_idx)
         self.mlp = LlamaMLP(cfg)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -75,7 +75,7 @@ class LlamaModel(nn.Module):
     def __init__(self, cfg: ModelConfig, backend: AttentionBackend):
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList([LlamaDecoderLayer(cfg, backend) for _ in range(cfg.num_layers)])
+        self.layers = nn.ModuleList([LlamaDecoderLayer(cfg, backend, i) for i in range(cfg.num_layers)])
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -112,9 +112,6 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)
-
-    def attention_layers(self) -> list[LlamaAttention]:
-        return [layer.self_attn for layer in self.model.layers]
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

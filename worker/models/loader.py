@@ -100,7 +100,27 @@ def load_tokenizer(src: ModelSource):
         return load_tokenizer(resolve_model("smollm2-135m"))
     if src.kind == "safetensors":
         return AutoTokenizer.from_pretrained(str(src.path))
-    return AutoTokenizer.from_pretrained(str(src.path.parent), gguf_file=src.path.name)
+    # Building a tokenizer from GGUF metadata takes seconds; keep the converted one on disk,
+    # keyed by the file's identity, so later starts load it in a fraction of that.
+    stat = src.path.stat()
+    cached = _cache_dir() / "tokenizers" / f"{src.path.stem}-{stat.st_size}-{int(stat.st_mtime)}"
+    if (cached / "tokenizer_config.json").is_file():
+        try:
+            return AutoTokenizer.from_pretrained(str(cached))
+        except Exception:  # a stale or partial cache entry: rebuild it
+            pass
+    tok = AutoTokenizer.from_pretrained(str(src.path.parent), gguf_file=src.path.name)
+    try:
+        tmp = cached.with_name(cached.name + f".tmp{os.getpid()}")
+        tok.save_pretrained(str(tmp))
+        os.replace(tmp, cached) if not cached.exists() else None
+    except OSError:
+        pass  # a read-only home is fine: just slower starts
+    return tok
+
+
+def _cache_dir() -> Path:
+    return Path(os.environ.get("KVCASCADE_CACHE", Path.home() / ".cache" / "kvcascade"))
 
 
 # --- GGUF -------------------------------------------------------------------------------------
@@ -138,10 +158,10 @@ def _gguf_fields(reader) -> dict[str, object]:
     return out
 
 
-def _gguf_config(path: Path) -> ModelConfig:
+def _gguf_config(path: Path, reader=None) -> ModelConfig:
     import gguf
 
-    reader = gguf.GGUFReader(str(path))
+    reader = reader or gguf.GGUFReader(str(path))
     meta = _gguf_fields(reader)
     arch = meta["general.architecture"]
     if arch not in _SUPPORTED_ARCHS:
@@ -174,8 +194,8 @@ def _gguf_weights(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
     import gguf
     from gguf.quants import dequantize
 
-    cfg = _gguf_config(path)
     reader = gguf.GGUFReader(str(path))
+    cfg = _gguf_config(path, reader)
     for t in reader.tensors:
         name = _gguf_to_hf_name(t.name)
         if name is None:
