@@ -99,17 +99,18 @@ def load_tokenizer(src: ModelSource):
     if src.kind == "dummy":
         return load_tokenizer(resolve_model("smollm2-135m"))
     if src.kind == "safetensors":
-        return AutoTokenizer.from_pretrained(str(src.path))
+        return AutoTokenizer.from_pretrained(str(src.path), clean_up_tokenization_spaces=False)
     # Building a tokenizer from GGUF metadata takes seconds; keep the converted one on disk,
     # keyed by the file's identity, so later starts load it in a fraction of that.
     stat = src.path.stat()
     cached = _cache_dir() / "tokenizers" / f"{src.path.stem}-{stat.st_size}-{int(stat.st_mtime)}"
     if (cached / "tokenizer_config.json").is_file():
         try:
-            return AutoTokenizer.from_pretrained(str(cached))
+            return AutoTokenizer.from_pretrained(str(cached), clean_up_tokenization_spaces=False)
         except Exception:  # a stale or partial cache entry: rebuild it
             pass
-    tok = AutoTokenizer.from_pretrained(str(src.path.parent), gguf_file=src.path.name)
+    tok = AutoTokenizer.from_pretrained(str(src.path.parent), gguf_file=src.path.name,
+                                        clean_up_tokenization_spaces=False)
     try:
         tmp = cached.with_name(cached.name + f".tmp{os.getpid()}")
         tok.save_pretrained(str(tmp))
