@@ -1,0 +1,1 @@
+"""The router: API front ends, cascade, picking a worker, the index and registry clients."""
