@@ -237,20 +237,25 @@ def machine() -> dict:
     except (OSError, StopIteration):
         pass
     return {"cpus": len(os.sched_getaffinity(0)), "cpu_model": model_name, "torch": torch.__version__,
-            "torch_threads": torch.get_num_threads(), "python": platform.python_version()}
+            "torch_threads": torch.get_num_threads(), "python": platform.python_version(),
+            "loadavg_at_end": os.getloadavg()}
 
 
 def print_table(rows: list[dict]) -> None:
     head = ("config", "reqs", "out tok/s", "req/s", "TTFT p50 s", "p90", "p99", "TPOT p50 ms", "p90",
-            "E2E p50 s", "prefix hit")
-    lines = [head]
-    for r in rows:
-        lines.append((r["config"], str(r["requests"]), f"{r['output_tok_per_s']:.1f}", f"{r['requests_per_s']:.3f}",
-                      f"{r['ttft_s']['p50']:.2f}", f"{r['ttft_s']['p90']:.2f}", f"{r['ttft_s']['p99']:.2f}",
-                      f"{r['tpot_ms']['p50']:.0f}", f"{r['tpot_ms']['p90']:.0f}", f"{r['e2e_s']['p50']:.2f}",
-                      f"{r['prefix_hit_rate']:.1%}"))
+            "E2E p50 s", "prefix hit", "cores busy")
+    lines = [head] + [
+        (r["config"], str(r["requests"]), f"{r['output_tok_per_s']:.1f}", f"{r['requests_per_s']:.3f}",
+         f"{r['ttft_s']['p50']:.2f}", f"{r['ttft_s']['p90']:.2f}", f"{r['ttft_s']['p99']:.2f}",
+         f"{r['tpot_ms']['p50']:.0f}", f"{r['tpot_ms']['p90']:.0f}", f"{r['e2e_s']['p50']:.2f}",
+         f"{r['prefix_hit_rate']:.1%}", f"{r.get('cpu_cores_busy', 0):.2f}")
+        for r in rows
+    ]
     widths = [max(len(line[i]) for line in lines) for i in range(len(head))]
-    fmt = lambda line: "| " + " | ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(line, widths))) + " |"
+
+    def fmt(line: tuple[str, ...]) -> str:  # a Markdown table row: first column left, numbers right
+        return "| " + " | ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(line, widths))) + " |"
+
     print(fmt(head))
     print("|" + "|".join("-" * (w + 2) if i == 0 else "-" * (w + 1) + ":" for i, w in enumerate(widths)) + "|")
     for line in lines[1:]:
@@ -283,8 +288,11 @@ def main(argv: list[str] | None = None) -> int:
         return LLMEngine(EngineConfig(model=args.model, num_kv_blocks=num_blocks, **overrides),
                          tokenizer=base.tokenizer, model=base.model)
 
-    # Warm up kernels and allocators (one prefill and a few decodes) outside any measurement.
-    base.generate([workload[0].prompt_ids], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
+    # Warm up every kernel path outside any measurement (the first prefill costs seconds more than
+    # the next): full and chunked prefills, a prefill over a cached prefix, batched decodes.
+    warm = [r.prompt_ids for r in workload[:3]]
+    engine(enable_prefix_caching=True).generate(warm + warm[:1], SamplingParams(max_tokens=4, temperature=0,
+                                                                                ignore_eos=True))
 
     naive_load = workload[: args.naive_requests]
     configs = [
@@ -296,7 +304,7 @@ def main(argv: list[str] | None = None) -> int:
     ]
     rows, tokens = [], {}
     for name, overrides, load in configs:
-        t = time.monotonic()
+        t, cpu = time.monotonic(), time.process_time()
         if overrides is None:
             eng = engine(max_num_seqs=1, enable_prefix_caching=False)
             records, makespan = run_naive(eng, load, params)
@@ -306,8 +314,11 @@ def main(argv: list[str] | None = None) -> int:
             records, makespan = run_engine(eng, load, params)
             eng.check_integrity()
         rows.append(summarize(name, records, makespan, eng))
+        # Cores this process kept busy: well under torch's thread count means another job took the CPU
+        # (or the run waited on arrivals), and the timings are not clean.
+        rows[-1]["cpu_cores_busy"] = (time.process_time() - cpu) / (time.monotonic() - t)
         tokens[name] = {rid: r.tokens for rid, r in records.items()}
-        print(f"{name}: {time.monotonic() - t:.1f}s", file=sys.stderr)
+        print(f"{name}: {time.monotonic() - t:.1f}s, {rows[-1]['cpu_cores_busy']:.2f} cores busy", file=sys.stderr)
 
     # The baseline must compute the same thing: greedy tokens equal to the KV-cache run's.
     names = [c[0] for c in configs]

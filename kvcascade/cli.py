@@ -11,7 +11,6 @@ import asyncio
 import dataclasses
 import logging
 import re
-import signal
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -116,22 +115,56 @@ def _add_generate_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--timeout", type=float, help="deadline of the call in seconds")
 
 
+def _add_state_flags(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("shared state")
+    group.add_argument("--redis-url", help="Redis for the worker registry and prefix index "
+                       "(redis://[:password@]host:port/db, rediss:// for TLS); default: in memory, one process")
+    group.add_argument("--key-prefix", default="kvc:", help="Redis key prefix, so deployments can share one "
+                       "Redis (default: %(default)s)")
+
+
+def _add_router_flags(parser: argparse.ArgumentParser) -> None:
+    from router.policy import POLICIES
+
+    group = parser.add_argument_group("router")
+    group.add_argument("--http-port", type=int, default=8000,
+                       help="port of the OpenAI-style HTTP API (default: %(default)s)")
+    group.add_argument("--policy", default="prefix_aware", choices=sorted(POLICIES),
+                       help="how to pick a worker (default: %(default)s)")
+    group.add_argument("--api-key", action="append", default=[], dest="api_keys",
+                       help="require this API key (repeatable; also KVCASCADE_API_KEYS, comma-separated)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvcascade", description="Prefix-aware, cascading LLM serving.")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    # The router (and its --http-port for the OpenAI-style API) joins `serve` when it exists;
-    # until then `serve` and `worker` run the same process: one engine behind gRPC.
     serve = commands.add_parser(
         "serve", help="run everything in one process (the embedded default)",
-        description="Run the engine and its gRPC API in one process, on CPU by default.",
+        description="Run a worker and the router in one process: gRPC on --port, the OpenAI-style "
+                    "HTTP API on --http-port, in-memory registry and prefix index, CPU by default.",
     )  # fmt: skip
     worker = commands.add_parser(
         "worker", help="run one worker: an engine behind a gRPC server",
-        description="Run one worker: an engine behind the KVCascade gRPC service.",
+        description="Run one worker: an engine behind the KVCascade gRPC service; with --redis-url "
+                    "it registers, heartbeats and publishes its prefix-cache events.",
+    )  # fmt: skip
+    router = commands.add_parser(
+        "router", help="run the router over the workers registered in Redis",
+        description="Route requests to the workers registered in Redis, by prefix-cache overlap and "
+                    "load, over gRPC (the same API as a worker) and OpenAI-style HTTP.",
     )  # fmt: skip
     for sub in (serve, worker):
         _add_engine_flags(sub)
+    for sub in (serve, worker, router):
         _add_server_flags(sub)
+        _add_state_flags(sub)
+    for sub in (serve, router):
+        _add_router_flags(sub)
+    group = worker.add_argument_group("registration")
+    group.add_argument("--worker-id", help="stable id of this worker (default: hostname-port)")
+    group.add_argument("--advertise-address", help="host:port routers dial (default: --host:--port)")
+    group.add_argument("--heartbeat-ttl", type=float, default=5.0,
+                       help="seconds without a heartbeat before routers stop sending here (default: %(default)s)")
     generate = commands.add_parser(
         "generate", help="stream one completion from a running server to stdout",
         description="Send one Generate call and stream the text to stdout; usage goes to stderr.",
@@ -140,39 +173,42 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-# --- serve / worker ---------------------------------------------------------------------------
+# --- serve / worker / router ------------------------------------------------------------------
 
 
-async def _run_server(args: argparse.Namespace, role: str) -> None:
+async def _run(args: argparse.Namespace) -> None:
     # Imported here so `kvcascade --help` and `generate` do not pay for torch.
-    from worker.engine.async_engine import AsyncEngine
-    from worker.engine.llm_engine import LLMEngine
-    from worker.server import WorkerServer
+    from kvcascade.launch import (RouterOptions, Running, WorkerOptions, api_keys_from_env, start_router,
+                                  start_worker, wait_for_signal)
 
-    engine = AsyncEngine(LLMEngine(engine_config(args)))
-    engine.start()
-    server = WorkerServer(engine, args.host, args.port)
+    running = Running()
     try:
-        await server.start()
-        logger.info("kvcascade %s ready: model %s on %s", role, engine.model_id, server.address)
-        await _wait_for_signal()
+        if args.command == "worker":
+            await start_worker(engine_config(args), WorkerOptions(
+                host=args.host, port=args.port, redis_url=args.redis_url, worker_id=args.worker_id,
+                advertise_address=args.advertise_address, heartbeat_ttl_s=args.heartbeat_ttl,
+                key_prefix=args.key_prefix), running, grace_s=args.grace_period)
+        else:
+            ropts = RouterOptions(host=args.host, port=args.port, http_port=args.http_port,
+                                  redis_url=args.redis_url, policy=args.policy,
+                                  api_keys=[*args.api_keys, *api_keys_from_env()], key_prefix=args.key_prefix)
+            if args.command == "serve":
+                from router.state import connect_state
+
+                registry, index = connect_state(args.redis_url, args.key_prefix)
+                running.on_stop(registry.aclose)
+                # The embedded worker listens on a free loopback port; clients use the router's.
+                await start_worker(engine_config(args), WorkerOptions(host="127.0.0.1", port=0), running,
+                                   registry=registry, index=index, grace_s=args.grace_period)
+                await start_router(ropts, running, registry=registry, index=index)
+            else:
+                await start_router(ropts, running)
+        logger.info("kvcascade %s ready", args.command)
+        await wait_for_signal()
         logger.info("shutting down (grace period %.1fs)", args.grace_period)
-        await server.stop(args.grace_period)
     finally:
-        engine.shutdown()
+        await running.stop()
     logger.info("stopped")
-
-
-async def _wait_for_signal() -> None:
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
-    try:
-        await stop.wait()
-    finally:
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.remove_signal_handler(sig)
 
 
 # --- generate ---------------------------------------------------------------------------------
@@ -218,13 +254,19 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.command == "generate":
         return _generate(args)
-    try:
-        engine_config(args)  # check the flags before loading anything
-    except ValueError as err:
-        parser.error(str(err))
+    if args.command != "router":
+        from worker.models.loader import resolve_model
+
+        try:
+            resolve_model(engine_config(args).model)  # check the flags before loading anything
+        except (ValueError, FileNotFoundError) as err:
+            parser.error(str(err))
+    elif not args.redis_url:
+        parser.error("router needs --redis-url: that is where workers register (kvcascade serve runs "
+                     "router and worker in one process without Redis)")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
-        asyncio.run(_run_server(args, role=args.command))
+        asyncio.run(_run(args))
     except KeyboardInterrupt:  # a Ctrl-C while the model is still loading
         return 130
     return 0

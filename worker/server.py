@@ -6,16 +6,13 @@ engine errors -> gRPC status codes. It holds no request state of its own; the en
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import logging
 import uuid
 from typing import Any
 
 import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
 
+from kvcascade.grpc_server import SERVICE_NAME, GrpcServer
 from protos import kvcascade_pb2 as pb
 from protos import kvcascade_pb2_grpc as pb_grpc
 from worker.engine.async_engine import AsyncEngine
@@ -25,10 +22,8 @@ from worker.engine.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
-SERVICE_NAME = pb.DESCRIPTOR.services_by_name["KVCascade"].full_name
 _SAMPLING_FIELDS = frozenset(pb.SamplingParams.DESCRIPTOR.fields_by_name)
-_SERVING = health_pb2.HealthCheckResponse.SERVING
-_NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+__all__ = ["SERVICE_NAME", "WorkerServer", "WorkerServicer", "serve"]
 
 
 # --- proto <-> engine translation -------------------------------------------------------------
@@ -152,64 +147,12 @@ class WorkerServicer(pb_grpc.KVCascadeServicer):
 # --- the server -------------------------------------------------------------------------------
 
 
-class WorkerServer:
-    """A grpc.aio server for one engine, with health checking that follows the engine's health."""
+class WorkerServer(GrpcServer):
+    """A grpc.aio server for one engine; healthy while the engine loop runs."""
 
     def __init__(self, engine: AsyncEngine, host: str = "127.0.0.1", port: int = 50051, *, health_poll_s: float = 1.0):
+        super().__init__(WorkerServicer(engine), engine.is_healthy, host, port, health_poll_s=health_poll_s)
         self.engine = engine
-        self.host = host
-        self.port = port  # 0 picks a free port; start() stores the bound one
-        self._health_poll_s = health_poll_s
-        self._server: grpc.aio.Server | None = None
-        self._health = health.aio.HealthServicer()
-        self._health_task: asyncio.Task[None] | None = None
-
-    @property
-    def address(self) -> str:
-        host = f"[{self.host}]" if ":" in self.host else self.host
-        return f"{host}:{self.port}"
-
-    async def start(self) -> None:
-        server = grpc.aio.server()
-        pb_grpc.add_KVCascadeServicer_to_server(WorkerServicer(self.engine), server)
-        health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
-        reflection.enable_server_reflection(
-            (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server
-        )
-        self.port = server.add_insecure_port(self.address)
-        await server.start()
-        self._server = server
-        # Set before returning, so a health check right after start() never sees NOT_FOUND.
-        status = _SERVING if self.engine.is_healthy() else _NOT_SERVING
-        await self._set_health(status)
-        self._health_task = asyncio.create_task(self._follow_engine_health(status), name="kvcascade-health")
-
-    async def stop(self, grace_s: float | None = 5.0) -> None:
-        """Refuse new calls, give running ones ``grace_s`` to finish, then cancel (and so abort) them."""
-        # NOT_SERVING first, so load balancers stop sending before the port closes.
-        await self._health.enter_graceful_shutdown()
-        if self._health_task is not None:
-            self._health_task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._health_task
-        if self._server is not None:
-            await self._server.stop(grace_s)
-
-    async def wait_for_termination(self) -> None:
-        if self._server is not None:
-            await self._server.wait_for_termination()
-
-    async def _set_health(self, status: int) -> None:
-        for service in ("", SERVICE_NAME):
-            await self._health.set(service, status)
-
-    async def _follow_engine_health(self, status: int) -> None:
-        while True:
-            await asyncio.sleep(self._health_poll_s)
-            current = _SERVING if self.engine.is_healthy() else _NOT_SERVING
-            if current != status:
-                await self._set_health(current)
-                status = current
 
 
 async def serve(engine: AsyncEngine, host: str = "127.0.0.1", port: int = 50051) -> WorkerServer:

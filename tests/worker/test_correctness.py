@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from worker.engine.sampling_params import SamplingParams
 
-from .conftest import MAX_NEW
+from tests.conftest import MAX_NEW
 
 GREEDY = SamplingParams(max_tokens=MAX_NEW, temperature=0, ignore_eos=True)
 

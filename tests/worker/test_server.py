@@ -80,7 +80,7 @@ def _serve(config: EngineConfig, reuse: LLMEngine) -> Iterator[Served]:
         loop.close()
 
 
-# smollm2 (tests/worker/conftest.py): the session's loaded SmolLM2, shared with the engine tests.
+# smollm2 (tests/conftest.py): the session's loaded SmolLM2, shared with the engine tests.
 @pytest.fixture(scope="module")
 def served(smollm2: LLMEngine) -> Iterator[Served]:
     yield from _serve(EngineConfig(model="smollm2-135m"), reuse=smollm2)

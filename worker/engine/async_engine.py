@@ -41,6 +41,10 @@ class AsyncEngine:
         self._thread: threading.Thread | None = None
         self._stopping = False
         self._dead: BaseException | None = None
+        # Prefix-cache events for whoever publishes them (the worker's index publisher), in order.
+        self._kv_events: list = []
+        self._collect_kv_events = False  # off until a publisher first drains: no unbounded buffer
+        self._snapshot_wanted = False
 
     # --- properties the server needs ----------------------------------------------------------
 
@@ -121,6 +125,20 @@ class AsyncEngine:
             with self._cv:
                 self._streams.pop(request_id, None)
 
+    def drain_kv_events(self) -> list:
+        """Prefix-cache events (block stored / evicted / cache cleared) since the last call."""
+        with self._cv:
+            self._collect_kv_events = True
+            events, self._kv_events = self._kv_events, []
+            return events
+
+    def request_kv_snapshot(self) -> None:
+        """Ask for "cleared" plus every cached block next, in order with the other events (after
+        a publisher lost events, e.g. while Redis was down, this makes the index exact again)."""
+        with self._cv:
+            self._snapshot_wanted = True
+            self._cv.notify()
+
     def abort(self, request_id: str) -> None:
         with self._cv:
             self._aborts.append(request_id)
@@ -133,7 +151,8 @@ class AsyncEngine:
         try:
             while True:
                 with self._cv:
-                    while not (self._adds or self._aborts or self._stopping or engine.has_unfinished()):
+                    while not (self._adds or self._aborts or self._stopping or self._snapshot_wanted
+                               or engine.has_unfinished()):
                         self._cv.wait()
                     if self._stopping:
                         break
@@ -147,8 +166,15 @@ class AsyncEngine:
                     except Exception as exc:  # validated at the door; this is a race, not a crash
                         self._deliver(request_id, exc)
                 outputs = engine.step() if engine.has_unfinished() else []
+                events = engine.block_manager.drain_events()
                 with self._cv:
                     self._stats = engine.stats()
+                    if self._snapshot_wanted:
+                        self._snapshot_wanted = False
+                        events = engine.block_manager.snapshot_events()  # supersedes what came before
+                        self._kv_events.clear()
+                    if self._collect_kv_events:
+                        self._kv_events.extend(events)
                 for out in outputs:
                     self._deliver(out.request_id, out)
         except BaseException as exc:  # the engine itself broke: fail everyone, loudly

@@ -160,6 +160,10 @@ class BlockManager:
         self._evictable.clear()
         self.events.append(KVEvent("cleared"))
 
+    def snapshot_events(self) -> list[KVEvent]:
+        """Events that rebuild an index of this cache from nothing: cleared, then every cached block."""
+        return [KVEvent("cleared")] + [KVEvent("stored", h) for h in self.hash_to_block]
+
     def drain_events(self) -> list[KVEvent]:
         events, self.events = self.events, []
         return events

@@ -44,6 +44,7 @@ class EngineStats:
     prefix_queries: int  # prompt tokens looked up in the prefix cache
     prefix_hits: int  # of those, tokens found
     block_size: int
+    pending_prefill_tokens: int = 0  # known tokens not yet computed, over running and waiting requests
 
     @property
     def prefix_hit_rate(self) -> float:

@@ -13,12 +13,16 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
-import torch
+from typing import TYPE_CHECKING
 
 from worker.models.config import PRESETS, ModelConfig
 
+if TYPE_CHECKING:
+    import torch
+
 DUMMY_PREFIX = "dummy:"
+# numpy and torch are imported where weights are read, so the router can resolve a model and
+# load its tokenizer without them.
 
 
 @dataclass(frozen=True)
@@ -76,7 +80,7 @@ def load_config(src: ModelSource) -> ModelConfig:
     return _gguf_config(src.path)
 
 
-def iter_weights(src: ModelSource) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_weights(src: ModelSource) -> Iterator[tuple[str, "torch.Tensor"]]:
     """HF-named float32 tensors, one at a time (never the whole checkpoint in a second copy)."""
     if src.kind == "safetensors":
         from safetensors import safe_open
@@ -191,8 +195,10 @@ def _gguf_config(path: Path, reader=None) -> ModelConfig:
     )
 
 
-def _gguf_weights(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
+def _gguf_weights(path: Path) -> Iterator[tuple[str, "torch.Tensor"]]:
     import gguf
+    import numpy as np
+    import torch
     from gguf.quants import dequantize
 
     reader = gguf.GGUFReader(str(path))
@@ -223,6 +229,6 @@ def _gguf_to_hf_name(name: str) -> str | None:
     raise KeyError(f"unexpected GGUF tensor {name!r}")
 
 
-def _unpermute_rotary(w: np.ndarray, n_head: int) -> np.ndarray:
+def _unpermute_rotary(w, n_head: int):
     half = w.shape[0] // n_head // 2
     return w.reshape(n_head, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)

@@ -1,0 +1,85 @@
+"""Triton, imported in one place and optionally.
+
+kernels/ must import on machines without Triton or a GPU (the CPU engine and its tests), so the
+kernel modules take ``jit``, ``tl`` and ``triton`` from here and write ``tl.constexpr`` annotations
+under ``from __future__ import annotations`` (Triton reads them as strings). Calling a kernel
+without Triton, or on CPU tensors outside the interpreter, raises with the reason.
+
+The interpreter (``TRITON_INTERPRET=1``) is chosen when a kernel is decorated, so the variable
+must be set before the first kernel module is imported.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # a CPU-only install without the dev extra
+    triton = None
+    tl = None
+
+HAS_TRITON = triton is not None
+
+
+def jit(fn: Callable[..., Any]) -> Any:
+    """``triton.jit`` when Triton is installed; otherwise the plain function (never launched)."""
+    return triton.jit(fn) if triton is not None else fn
+
+
+def interpreting() -> bool:
+    return triton is not None and bool(triton.knobs.runtime.interpret)
+
+
+def _patch_interpreter_for_numpy_2_4() -> None:
+    """Triton 3.6's interpreter turns loop bounds into ints with ``int(array_of_one)``, which
+    NumPy 2.4 rejects (triton-lang/triton#9171, fixed upstream by #9172 after 3.6.0). Re-apply
+    the upstream fix so dynamic ``range`` bounds work under TRITON_INTERPRET=1; a no-op elsewhere."""
+    from triton.runtime import interpreter
+
+    original = getattr(interpreter, "_patch_lang_tensor", None)
+    if original is None or getattr(original, "_kvcascade_fixed", False):
+        return
+
+    def patch_lang_tensor(tensor: Any, scope: Any) -> None:
+        original(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.squeeze()))
+
+    patch_lang_tensor._kvcascade_fixed = True  # type: ignore[attr-defined]
+    interpreter._patch_lang_tensor = patch_lang_tensor
+
+
+if interpreting():
+    _patch_interpreter_for_numpy_2_4()
+
+
+def check_launchable(*tensors: torch.Tensor) -> None:
+    """Raise a clear error where a Triton launch cannot work, before Triton raises an obscure one."""
+    if triton is None:
+        raise RuntimeError("Triton is not installed (pip install -e '.[dev]'); use the *_ref functions")
+    if not interpreting() and not all(t.is_cuda for t in tensors):
+        raise RuntimeError("Triton kernels need CUDA tensors, or TRITON_INTERPRET=1 set before import")
+
+
+def next_power_of_2(n: int) -> int:
+    return 1 << max(int(n) - 1, 0).bit_length()
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+@functools.cache
+def _cuda_sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of ``device``; a small stand-in for CPU (the interpreter)."""
+    if device.type != "cuda":
+        return 4
+    return _cuda_sm_count(device.index if device.index is not None else torch.cuda.current_device())

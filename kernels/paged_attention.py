@@ -1,0 +1,324 @@
+"""Paged attention in Triton: decode (flash-decoding) and prefill/extend (varlen, causal).
+
+Both read K/V straight from the engine's pool, ``[num_blocks, block_size, KVH, D]``, through
+int32 block tables, and both are GQA-aware: a program owns one KV head and every query head of its
+group, so each K/V tile is loaded once per group rather than once per query head.
+
+Decode: the grid is (sequence, KV head, split). Each split walks its share of the context and
+writes a partial (output normalised by its own sum, and log-sum-exp); a second small kernel
+merges the splits. With one split the first kernel writes the output directly.
+
+Prefill: the new tokens of all sequences are flattened into one batch. A program takes a tile of
+BLOCK_Q consecutive query tokens of one sequence; the rows of its Q tile are (token, head) pairs
+of the group. Query token i of a sequence with ``q_len`` new tokens sits at position
+``context_len - q_len + i``, which makes chunked prefill and prefix-cache hits the same case:
+
+    keys:   | cached prefix (earlier chunks, prefix hits) | this step's tokens |
+    query:                                                 i=0 ... q_len-1
+    query i sees keys at positions <= context_len - q_len + i
+
+Keys before the tile's first position are seen by every row and need no causal mask.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kernels._triton import cdiv, check_launchable, jit, next_power_of_2, sm_count, tl
+
+# The kernels use exp2: the softmax scale is multiplied by log2(e) once.
+_LOG2E = 1.4426950408889634
+
+# Tile sizes; module-level so tests can shrink them to exercise many tiles at tiny shapes.
+DECODE_BLOCK_N = 64  # context tokens per inner step
+PREFILL_BLOCK_M = 128  # Q tile rows: BLOCK_M // group query tokens x the group's heads
+PREFILL_BLOCK_N = 64
+# Flash-decoding heuristic: aim for this many programs per SM, but give a split at least
+# MIN_SPLIT_TOKENS of context (below that the merge costs more than the parallelism gains).
+SPLIT_PROGRAMS_PER_SM = 2
+MIN_SPLIT_TOKENS = 128
+MAX_SPLITS = 64
+
+
+@jit
+def _attend_tile(
+    q, m_i, l_i, acc,  # running state of the Q tile: [M, D] input, [M] max (log2 units), [M] sum, [M, D]
+    k_ptr, v_ptr, bt_row, kv_head_off,
+    n_start, kv_end,  # this tile covers context positions [n_start, n_start + BLOCK_N) clipped to kv_end
+    q_pos,  # [M] position of each row's query token
+    qk_scale, stride_kb, stride_kt, offs_d, d_mask,
+    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """One online-softmax step over BLOCK_N context tokens gathered through the block table."""
+    pos = n_start + tl.arange(0, BLOCK_N)
+    p_mask = pos < kv_end
+    blk = tl.load(bt_row + pos // BLOCK_SIZE, mask=p_mask, other=0).to(tl.int64)
+    tok = blk * stride_kb + (pos % BLOCK_SIZE).to(tl.int64) * stride_kt + kv_head_off
+    kv_mask = p_mask[:, None] & d_mask[None, :]
+    k = tl.load(k_ptr + tok[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+    if CAUSAL:
+        s = tl.where(p_mask[None, :] & (pos[None, :] <= q_pos[:, None]), s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    p = tl.exp2(s - m_new[:, None])
+    alpha = tl.exp2(m_i - m_new)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    v = tl.load(v_ptr + tok[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    return m_new, l_i, acc
+
+
+@jit
+def _decode_kernel(
+    q_ptr, k_ptr, v_ptr, bt_ptr, ctx_ptr, out_ptr, part_o_ptr, part_lse_ptr, qk_scale,
+    stride_qb, stride_qh, stride_kb, stride_kt, stride_kh, stride_bt, stride_ob, stride_oh,
+    NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, BLOCK_G: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    b = tl.program_id(0)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+    ctx = tl.load(ctx_ptr + b)
+    # Splits start on tile boundaries; trailing splits of a short context are empty.
+    per_split = tl.cdiv(tl.cdiv(ctx, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    start = split * per_split
+    end = tl.minimum(start + per_split, ctx)
+
+    offs_g = tl.arange(0, BLOCK_G)
+    g_mask = offs_g < GROUP
+    heads = kvh * GROUP + offs_g
+    offs_d = tl.arange(0, BLOCK_D)
+    d_mask = offs_d < HEAD_DIM
+    qo_mask = g_mask[:, None] & d_mask[None, :]
+    q = tl.load(
+        q_ptr + b.to(tl.int64) * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
+        mask=qo_mask, other=0.0,
+    )
+    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+    q_pos = tl.zeros([BLOCK_G], tl.int32) + (ctx - 1)
+    bt_row = bt_ptr + b.to(tl.int64) * stride_bt
+    for n in range(start, end, BLOCK_N):
+        m_i, l_i, acc = _attend_tile(
+            q, m_i, l_i, acc, k_ptr, v_ptr, bt_row, kvh * stride_kh, n, end, q_pos,
+            qk_scale, stride_kb, stride_kt, offs_d, d_mask,
+            BLOCK_SIZE, BLOCK_N, True, DOT_PRECISION,
+        )
+    # An empty range (context 0, or a split past the end) leaves l = 0: its output is zeros.
+    o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    if NUM_SPLITS == 1:
+        tl.store(
+            out_ptr + b.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + offs_d[None, :],
+            o.to(out_ptr.dtype.element_ty), mask=qo_mask,
+        )
+    else:
+        row = (b.to(tl.int64) * NUM_HEADS + heads) * NUM_SPLITS + split  # part_* are [B, H, S(, D)]
+        tl.store(part_o_ptr + row[:, None] * HEAD_DIM + offs_d[None, :], o, mask=qo_mask)
+        lse = tl.where(l_i > 0, m_i + tl.log2(tl.where(l_i > 0, l_i, 1.0)), float("-inf"))
+        tl.store(part_lse_ptr + row, lse, mask=g_mask)
+
+
+@jit
+def _decode_merge_kernel(
+    part_o_ptr, part_lse_ptr, out_ptr, stride_ob, stride_oh,
+    NUM_HEADS: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    """Merges one (sequence, head)'s split partials, weighting each by exp2(lse - max lse)."""
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    offs_s = tl.arange(0, BLOCK_S)
+    s_mask = offs_s < NUM_SPLITS
+    offs_d = tl.arange(0, BLOCK_D)
+    d_mask = offs_d < HEAD_DIM
+    row = (b.to(tl.int64) * NUM_HEADS + h) * NUM_SPLITS + offs_s
+    lse = tl.load(part_lse_ptr + row, mask=s_mask, other=float("-inf"))
+    m = tl.max(lse, 0)
+    w = tl.exp2(lse - tl.where(m == float("-inf"), 0.0, m))  # all -inf (context 0): all weights 0
+    o = tl.load(part_o_ptr + row[:, None] * HEAD_DIM + offs_d[None, :], mask=s_mask[:, None] & d_mask[None, :], other=0.0)
+    denom = tl.sum(w, 0)
+    out = tl.sum(o * w[:, None], 0) / tl.where(denom > 0, denom, 1.0)
+    tl.store(out_ptr + b.to(tl.int64) * stride_ob + h * stride_oh + offs_d, out.to(out_ptr.dtype.element_ty), mask=d_mask)
+
+
+@jit
+def _find_sequence(qsl_ptr, tile, num_seqs, BLOCK_Q: tl.constexpr):
+    """The sequence owning query tile ``tile``: the last b with qsl[b] // BLOCK_Q + b <= tile.
+
+    Sequence b's tiles are numbered from qsl[b] // BLOCK_Q + b on; that leaves room for its
+    ceil(q_len / BLOCK_Q) tiles, so T // BLOCK_Q + B programs cover any batch (extras exit).
+    """
+    lo = tile * 0
+    hi = lo + num_seqs - 1
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        ok = tl.load(qsl_ptr + mid) // BLOCK_Q + mid <= tile
+        lo = tl.where(ok, mid, lo)
+        hi = tl.where(ok, hi, mid - 1)
+    return lo
+
+
+@jit
+def _prefill_kernel(
+    q_ptr, k_ptr, v_ptr, out_ptr, bt_ptr, qsl_ptr, ctx_ptr, num_seqs, qk_scale,
+    stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_bt, stride_ot, stride_oh,
+    GROUP: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    tile = tl.program_id(0)
+    kvh = tl.program_id(1)
+    b = _find_sequence(qsl_ptr, tile, num_seqs, BLOCK_Q)
+    q_start = tl.load(qsl_ptr + b)
+    q_len = tl.load(qsl_ptr + b + 1) - q_start
+    tok0 = (tile - (q_start // BLOCK_Q + b)) * BLOCK_Q  # first query token of this tile
+    if tok0 >= q_len:
+        return
+    ctx = tl.load(ctx_ptr + b)
+    prefix = ctx - q_len
+
+    # Rows are (token, head) pairs: row r is token tok0 + r // GROUP, head kvh * GROUP + r % GROUP.
+    offs_m = tl.arange(0, BLOCK_M)
+    tok = tok0 + offs_m // GROUP
+    row_mask = (offs_m < BLOCK_Q * GROUP) & (tok < q_len)
+    heads = kvh * GROUP + offs_m % GROUP
+    offs_d = tl.arange(0, BLOCK_D)
+    d_mask = offs_d < HEAD_DIM
+    qo_mask = row_mask[:, None] & d_mask[None, :]
+    rows = (q_start + tok).to(tl.int64)
+    q = tl.load(q_ptr + rows[:, None] * stride_qt + heads[:, None] * stride_qh + offs_d[None, :], mask=qo_mask, other=0.0)
+    # Every row (padding rows too) sees key `prefix + tok0`, so no row's max stays -inf.
+    q_pos = prefix + tok
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    bt_row = bt_ptr + b.to(tl.int64) * stride_bt
+    kv_head_off = kvh * stride_kh
+    full_end = (prefix + tok0) // BLOCK_N * BLOCK_N  # keys every row sees: no causal mask
+    for n in range(0, full_end, BLOCK_N):
+        m_i, l_i, acc = _attend_tile(
+            q, m_i, l_i, acc, k_ptr, v_ptr, bt_row, kv_head_off, n, full_end, q_pos,
+            qk_scale, stride_kb, stride_kt, offs_d, d_mask,
+            BLOCK_SIZE, BLOCK_N, False, DOT_PRECISION,
+        )
+    kv_end = tl.minimum(prefix + tok0 + BLOCK_Q, ctx)  # one past the tile's last query position
+    for n in range(full_end, kv_end, BLOCK_N):
+        m_i, l_i, acc = _attend_tile(
+            q, m_i, l_i, acc, k_ptr, v_ptr, bt_row, kv_head_off, n, kv_end, q_pos,
+            qk_scale, stride_kb, stride_kt, offs_d, d_mask,
+            BLOCK_SIZE, BLOCK_N, True, DOT_PRECISION,
+        )
+    o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    tl.store(
+        out_ptr + rows[:, None] * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],
+        o.to(out_ptr.dtype.element_ty), mask=qo_mask,
+    )
+
+
+def _check_pool(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor) -> int:
+    """Validates the shared layout assumptions; returns the GQA group size."""
+    assert k_cache.shape == v_cache.shape and k_cache.is_contiguous() and v_cache.is_contiguous()
+    assert k_cache.dtype == v_cache.dtype == q.dtype, "q and the K/V pool must share a dtype"
+    assert q.shape[-1] == k_cache.shape[3] and q.stride(-1) == 1
+    assert block_tables.dtype == torch.int32 and block_tables.stride(-1) == 1
+    num_heads, num_kv_heads = q.shape[1], k_cache.shape[2]
+    assert num_heads % num_kv_heads == 0, "query heads must be a multiple of KV heads"
+    return num_heads // num_kv_heads
+
+
+def _dot_precision(dtype: torch.dtype) -> str:
+    # fp32 inputs would otherwise run as TF32 on tensor cores (about 3 significant digits).
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def default_num_splits(batch: int, num_kv_heads: int, max_context: int, device: torch.device) -> int:
+    """Splits per (sequence, KV head) so that small batches with long contexts fill the chip.
+
+    ``max_context`` is a host-side bound (block table width x block size), so choosing never
+    reads the device: no synchronisation, and the same choice inside a CUDA graph.
+    """
+    programs = batch * num_kv_heads
+    target = SPLIT_PROGRAMS_PER_SM * sm_count(device)
+    if programs >= target:
+        return 1
+    return max(1, min(cdiv(target, programs), cdiv(max_context, MIN_SPLIT_TOKENS), MAX_SPLITS))
+
+
+def paged_decode_attention(
+    q: torch.Tensor,  # [B, H, D]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, KVH, D]
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,  # [B, max_blocks] int32, padded with 0
+    context_lens: torch.Tensor,  # [B] int32; 0 gives a zero output row
+    scale: float,
+    num_splits: int | None = None,
+) -> torch.Tensor:
+    check_launchable(q, k_cache, v_cache, block_tables, context_lens)
+    group = _check_pool(q, k_cache, v_cache, block_tables)
+    batch, num_heads, head_dim = q.shape
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    if batch == 0:
+        return out
+    if num_splits is None:
+        num_splits = default_num_splits(batch, num_kv_heads, block_tables.shape[1] * block_size, q.device)
+    assert num_splits >= 1
+    if num_splits > 1:
+        part_o = torch.empty(batch, num_heads, num_splits, head_dim, dtype=torch.float32, device=q.device)
+        part_lse = torch.empty(batch, num_heads, num_splits, dtype=torch.float32, device=q.device)
+    else:
+        part_o = part_lse = out  # unused
+    block_d = next_power_of_2(head_dim)
+    _decode_kernel[(batch, num_kv_heads, num_splits)](
+        q, k_cache, v_cache, block_tables, context_lens, out, part_o, part_lse, scale * _LOG2E,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        block_tables.stride(0), out.stride(0), out.stride(1),
+        NUM_HEADS=num_heads, GROUP=group,
+        BLOCK_G=max(16, next_power_of_2(group)),  # tl.dot needs at least 16 rows
+        HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_SIZE=block_size, BLOCK_N=DECODE_BLOCK_N,
+        NUM_SPLITS=num_splits, DOT_PRECISION=_dot_precision(q.dtype),
+        num_warps=4, num_stages=2,
+    )
+    if num_splits > 1:
+        _decode_merge_kernel[(batch, num_heads)](
+            part_o, part_lse, out, out.stride(0), out.stride(1),
+            NUM_HEADS=num_heads, NUM_SPLITS=num_splits, BLOCK_S=next_power_of_2(num_splits),
+            HEAD_DIM=head_dim, BLOCK_D=block_d, num_warps=4,
+        )
+    return out
+
+
+def paged_prefill_attention(
+    q: torch.Tensor,  # [T, H, D] new tokens of all sequences, flattened
+    k_cache: torch.Tensor,  # [num_blocks, block_size, KVH, D]; the new tokens' K/V already stored
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,  # [B, max_blocks] int32
+    query_start_loc: torch.Tensor,  # [B + 1] int32
+    context_lens: torch.Tensor,  # [B] int32: cached prefix + new tokens
+    scale: float,
+) -> torch.Tensor:
+    check_launchable(q, k_cache, v_cache, block_tables, query_start_loc, context_lens)
+    group = _check_pool(q, k_cache, v_cache, block_tables)
+    num_tokens, _, head_dim = q.shape
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    num_seqs = context_lens.shape[0]
+    assert query_start_loc.dtype == torch.int32 and query_start_loc.shape[0] == num_seqs + 1
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    if num_tokens == 0 or num_seqs == 0:
+        return out
+    block_m = max(PREFILL_BLOCK_M, next_power_of_2(group))
+    block_q = block_m // group
+    block_d = next_power_of_2(head_dim)
+    block_n = PREFILL_BLOCK_N if block_d <= 128 else PREFILL_BLOCK_N // 2  # keep K/V stages in shared memory
+    _prefill_kernel[(num_tokens // block_q + num_seqs, num_kv_heads)](
+        q, k_cache, v_cache, out, block_tables, query_start_loc, context_lens, num_seqs, scale * _LOG2E,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        block_tables.stride(0), out.stride(0), out.stride(1),
+        GROUP=group, BLOCK_Q=block_q, BLOCK_M=block_m, HEAD_DIM=head_dim, BLOCK_D=block_d,
+        BLOCK_SIZE=block_size, BLOCK_N=block_n, DOT_PRECISION=_dot_precision(q.dtype),
+        num_warps=8 if block_m >= 128 else 4, num_stages=3,
+    )
+    return out

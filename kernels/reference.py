@@ -1,0 +1,128 @@
+"""Plain torch references for every kernel in kernels/, one per kernel and with its signature.
+
+They favour being obviously right over being fast: attention loops over sequences and gathers
+each one's K/V from its blocks, in fp32. Tests check each Triton kernel against these, and they
+run on any device.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def store_kv_ref(
+    k: torch.Tensor,  # [T, KVH, D]
+    v: torch.Tensor,
+    k_cache: torch.Tensor,  # [num_blocks, block_size, KVH, D]
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,  # [T] int64 flat slot; -1 = skip (padding)
+) -> None:
+    kvh, d = k_cache.shape[2], k_cache.shape[3]
+    keep = slot_mapping >= 0
+    slots = slot_mapping[keep]
+    k_cache.view(-1, kvh, d)[slots] = k[keep].to(k_cache.dtype)
+    v_cache.view(-1, kvh, d)[slots] = v[keep].to(v_cache.dtype)
+
+
+def _gather(cache: torch.Tensor, block_table: torch.Tensor, num_tokens: int) -> torch.Tensor:
+    """The first ``num_tokens`` tokens of one sequence from the pool: [num_tokens, KVH, D]."""
+    block_size = cache.shape[1]
+    pos = torch.arange(num_tokens, device=cache.device)
+    blocks = block_table.to(cache.device).long()[pos // block_size]
+    return cache[blocks, pos % block_size]
+
+
+def _attend(
+    q: torch.Tensor,  # [q_len, H, D]
+    k: torch.Tensor,  # [ctx, KVH, D]
+    v: torch.Tensor,
+    q_pos: torch.Tensor,  # [q_len] position of each query; it sees keys at positions <= its own
+    scale: float,
+) -> torch.Tensor:
+    group = q.shape[1] // k.shape[1]
+    k = k.float().repeat_interleave(group, dim=1)
+    v = v.float().repeat_interleave(group, dim=1)
+    scores = torch.einsum("qhd,khd->hqk", q.float(), k) * scale
+    k_pos = torch.arange(k.shape[0], device=q.device)
+    scores = scores.masked_fill(k_pos[None, None, :] > q_pos[None, :, None], float("-inf"))
+    return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v).to(q.dtype)
+
+
+def paged_decode_attention_ref(
+    q: torch.Tensor,  # [B, H, D]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, KVH, D]
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,  # [B, max_blocks] int32
+    context_lens: torch.Tensor,  # [B] int32
+    scale: float,
+    num_splits: int | None = None,  # a kernel tuning knob; the result does not depend on it
+) -> torch.Tensor:
+    out = torch.zeros_like(q)
+    for b, ctx in enumerate(context_lens.tolist()):
+        if ctx == 0:  # an idle (padding) row: zeros
+            continue
+        k = _gather(k_cache, block_tables[b], ctx)
+        v = _gather(v_cache, block_tables[b], ctx)
+        q_pos = torch.tensor([ctx - 1], device=q.device)
+        out[b] = _attend(q[b : b + 1], k, v, q_pos, scale)[0]
+    return out
+
+
+def paged_prefill_attention_ref(
+    q: torch.Tensor,  # [T, H, D] the new tokens of all sequences, flattened
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,  # [B, max_blocks] int32
+    query_start_loc: torch.Tensor,  # [B + 1] int32
+    context_lens: torch.Tensor,  # [B] int32: cached prefix + new tokens
+    scale: float,
+) -> torch.Tensor:
+    out = torch.zeros_like(q)
+    starts = query_start_loc.tolist()
+    for b, ctx in enumerate(context_lens.tolist()):
+        s, e = starts[b], starts[b + 1]
+        if e == s:
+            continue
+        k = _gather(k_cache, block_tables[b], ctx)
+        v = _gather(v_cache, block_tables[b], ctx)
+        q_pos = torch.arange(ctx - (e - s), ctx, device=q.device)
+        out[s:e] = _attend(q[s:e], k, v, q_pos, scale)
+    return out
+
+
+def rms_norm_ref(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    if residual is not None:
+        x = x + residual
+        residual = x
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    out = weight * h.to(x.dtype)
+    return out if residual is None else (out, residual)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def rotary_embedding_ref(
+    positions: torch.Tensor,  # [T]
+    q: torch.Tensor,  # [T, H, D]
+    k: torch.Tensor,  # [T, KVH, D]
+    cos: torch.Tensor,  # [max_pos, D] fp32, each half duplicated
+    sin: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    def rotate(x: torch.Tensor) -> torch.Tensor:
+        c = cos[positions].unsqueeze(1).to(x.dtype)
+        s = sin[positions].unsqueeze(1).to(x.dtype)
+        return x * c + _rotate_half(x) * s
+
+    return rotate(q), rotate(k)
+
+
+def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
+    gate, up = x.chunk(2, dim=-1)
+    return F.silu(gate) * up

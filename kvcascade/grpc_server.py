@@ -1,0 +1,86 @@
+"""A grpc.aio server for the KVCascade service with health checking and reflection.
+
+Workers and routers serve the same API; they differ only in the servicer and in what "healthy"
+means (a live engine loop; at least one live worker), so both use this class.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Awaitable, Callable
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from protos import kvcascade_pb2 as pb
+from protos import kvcascade_pb2_grpc as pb_grpc
+
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["KVCascade"].full_name
+_SERVING = health_pb2.HealthCheckResponse.SERVING
+_NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+
+
+class GrpcServer:
+    def __init__(self, servicer: pb_grpc.KVCascadeServicer, is_healthy: Callable[[], bool | Awaitable[bool]],
+                 host: str = "127.0.0.1", port: int = 50051, *, health_poll_s: float = 1.0):
+        self.servicer = servicer
+        self.is_healthy = is_healthy
+        self.host = host
+        self.port = port  # 0 picks a free port; start() stores the bound one
+        self._health_poll_s = health_poll_s
+        self._server: grpc.aio.Server | None = None
+        self._health = health.aio.HealthServicer()
+        self._health_task: asyncio.Task[None] | None = None
+
+    @property
+    def address(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"{host}:{self.port}"
+
+    async def start(self) -> None:
+        server = grpc.aio.server()
+        pb_grpc.add_KVCascadeServicer_to_server(self.servicer, server)
+        health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
+        reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
+        self.port = server.add_insecure_port(self.address)
+        await server.start()
+        self._server = server
+        # Set before returning, so a health check right after start() never sees NOT_FOUND.
+        status = await self._status()
+        await self._set_health(status)
+        self._health_task = asyncio.create_task(self._follow_health(status), name="kvcascade-health")
+
+    async def stop(self, grace_s: float | None = 5.0) -> None:
+        """Refuse new calls, give running ones ``grace_s`` to finish, then cancel (and so abort) them."""
+        # NOT_SERVING first, so load balancers stop sending before the port closes.
+        await self._health.enter_graceful_shutdown()
+        if self._health_task is not None:
+            self._health_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._health_task
+        if self._server is not None:
+            await self._server.stop(grace_s)
+
+    async def wait_for_termination(self) -> None:
+        if self._server is not None:
+            await self._server.wait_for_termination()
+
+    async def _status(self) -> int:
+        healthy = self.is_healthy()
+        if asyncio.iscoroutine(healthy):
+            healthy = await healthy
+        return _SERVING if healthy else _NOT_SERVING
+
+    async def _set_health(self, status: int) -> None:
+        for service in ("", SERVICE_NAME):
+            await self._health.set(service, status)
+
+    async def _follow_health(self, status: int) -> None:
+        while True:
+            await asyncio.sleep(self._health_poll_s)
+            current = await self._status()
+            if current != status:
+                await self._set_health(current)
+                status = current

@@ -1,0 +1,141 @@
+"""What each ``kvcascade`` server command runs, as plain async functions (the CLI parses flags;
+tests and the Ray actor can call these with the same arguments).
+
+    serve   = worker(s) + router in one process, in-memory state unless --redis-url is given
+    worker  = one engine behind gRPC; with --redis-url it registers and publishes its cache events
+    router  = the gRPC and HTTP fronts over the workers found in Redis
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import socket
+from collections.abc import Collection
+from dataclasses import dataclass
+
+from worker.engine.config import EngineConfig
+
+log = logging.getLogger("kvcascade")
+
+
+@dataclass
+class WorkerOptions:
+    host: str = "127.0.0.1"
+    port: int = 50051
+    redis_url: str | None = None
+    worker_id: str | None = None  # default: hostname-port
+    advertise_address: str | None = None  # what routers dial; default host:port
+    heartbeat_ttl_s: float = 5.0
+    key_prefix: str = "kvc:"
+
+
+@dataclass
+class RouterOptions:
+    host: str = "127.0.0.1"
+    port: int = 50051
+    http_port: int | None = 8000
+    redis_url: str | None = None
+    policy: str = "prefix_aware"
+    api_keys: Collection[str] = ()
+    key_prefix: str = "kvc:"
+
+
+class Running:
+    """Things started, stopped in reverse order."""
+
+    def __init__(self) -> None:
+        self._stops: list = []
+
+    def on_stop(self, fn) -> None:
+        self._stops.append(fn)
+
+    async def stop(self) -> None:
+        for fn in reversed(self._stops):
+            try:
+                result = fn()
+                if asyncio.iscoroutine(result):
+                    await result
+            except Exception:
+                log.exception("error while stopping")
+
+
+async def start_worker(config: EngineConfig, opts: WorkerOptions, running: Running, *, registry=None,
+                       index=None, grace_s: float = 5.0, engine=None):
+    """Start one worker: engine, gRPC server and, with shared state, its publisher. Returns the server."""
+    from worker.engine.async_engine import AsyncEngine
+    from worker.engine.llm_engine import LLMEngine
+    from worker.server import WorkerServer
+
+    async_engine = AsyncEngine(engine or await asyncio.to_thread(LLMEngine, config))
+    async_engine.start()
+    running.on_stop(async_engine.shutdown)
+    server = WorkerServer(async_engine, opts.host, opts.port)
+    await server.start()
+    running.on_stop(lambda: server.stop(grace_s))
+    if registry is None and opts.redis_url:
+        from router.state import connect_state
+
+        registry, index = connect_state(opts.redis_url, opts.key_prefix)
+        running.on_stop(registry.aclose)
+    if registry is not None:
+        from worker.registration import WorkerPublisher
+
+        address = opts.advertise_address or server.address
+        publisher = WorkerPublisher(async_engine, registry, index,
+                                    worker_id=opts.worker_id or f"{socket.gethostname()}-{server.port}",
+                                    address=address, model_source=config.model, ttl_s=opts.heartbeat_ttl_s)
+        await publisher.start()
+        running.on_stop(publisher.stop)  # runs before the server stops: routers stop sending first
+    log.info("worker ready: model %s on %s", async_engine.model_id, server.address)
+    return server
+
+
+async def start_router(opts: RouterOptions, running: Running, *, registry=None, index=None):
+    """Start the router's gRPC (and HTTP) fronts. Returns the Router."""
+    from router.grpc_api import RouterServer
+    from router.router import Router, RouterConfig
+    from router.state import connect_state
+
+    if registry is None:
+        registry, index = connect_state(opts.redis_url, opts.key_prefix)
+        running.on_stop(registry.aclose)
+    router = Router(registry, index, RouterConfig(policy=opts.policy))
+    running.on_stop(router.close)
+    sweeper = asyncio.create_task(router.run_sweeper(), name="index-sweeper")
+    running.on_stop(sweeper.cancel)
+    server = RouterServer(router, opts.host, opts.port, api_keys=opts.api_keys)
+    await server.start()
+    running.on_stop(lambda: server.stop(5.0))
+    log.info("router gRPC on %s (policy %s)", server.address, router.policy.name)
+    if opts.http_port is not None:
+        from router.http_api import create_app, serve_http
+
+        http_server, task = await serve_http(create_app(router, api_keys=opts.api_keys), opts.host, opts.http_port)
+        running.on_stop(lambda: _stop_http(http_server, task))
+        log.info("router HTTP (OpenAI-style) on http://%s:%d/v1", opts.host, opts.http_port)
+    return router
+
+
+async def _stop_http(server, task) -> None:
+    server.should_exit = True
+    await task
+
+
+async def wait_for_signal() -> None:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        await stop.wait()
+    finally:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.remove_signal_handler(sig)
+
+
+def api_keys_from_env() -> list[str]:
+    """KVCASCADE_API_KEYS: comma-separated keys (from a Secret in Kubernetes), added to --api-key."""
+    return [k.strip() for k in os.environ.get("KVCASCADE_API_KEYS", "").split(",") if k.strip()]

@@ -1,0 +1,332 @@
+"""The router's OpenAI-compatible HTTP front (FastAPI), so existing OpenAI clients work unchanged.
+
+    POST /v1/completions, /v1/chat/completions   (stream: server-sent events, or one JSON answer)
+    GET  /v1/models                              (the models live workers serve)
+    GET  /healthz  /readyz  /metrics             (never behind the API key)
+
+Bodies become a pb.GenerateRequest (router/openai_protocol.py) for ``Router.generate``. Errors
+are OpenAI's ``{"error": {"message", "type", "param", "code"}}``; a RouterError maps by code:
+
+    INVALID_ARGUMENT 400   UNAUTHENTICATED 401   RESOURCE_EXHAUSTED 429   CANCELLED 499
+    INTERNAL 500           UNAVAILABLE 503       DEADLINE_EXCEEDED 504
+
+A stream is only opened once the first worker message is in, so everything that fails before
+any output (a bad field, no worker, a full queue) still gets its HTTP status; a failure after
+that ends the stream with an ``{"error": ...}`` event. A worker that ends a request with
+"error" or "abort" counts as a failure (INTERNAL, UNAVAILABLE): OpenAI has no such finish reason.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import re
+import secrets
+import socket
+from collections.abc import AsyncIterator, Awaitable, Collection
+from typing import Any, TypeVar
+
+import grpc
+import pydantic
+import uvicorn
+from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.exceptions import HTTPException
+
+from protos import kvcascade_pb2 as pb
+from router.errors import RouterError
+from router.openai_protocol import Answer, BadRequest, Call, ChatRequest, CompletionRequest, chat_call, completion_call
+from router.router import Router
+
+T = TypeVar("T")
+
+_STATUS = {
+    grpc.StatusCode.INVALID_ARGUMENT: 400,
+    grpc.StatusCode.UNAUTHENTICATED: 401,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: 429,
+    grpc.StatusCode.CANCELLED: 499,
+    grpc.StatusCode.UNAVAILABLE: 503,
+    grpc.StatusCode.DEADLINE_EXCEEDED: 504,
+}
+_TYPE = {400: "invalid_request_error", 401: "invalid_request_error", 404: "invalid_request_error",
+         405: "invalid_request_error", 429: "rate_limit_error", 499: "cancelled", 503: "service_unavailable",
+         504: "timeout"}
+_FIELD = re.compile(r"[A-Za-z_][\w.\[\]]*")  # what a RouterError's "field: message" names
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+
+    def body(self) -> dict[str, Any]:
+        kind = _TYPE.get(self.status, "server_error")
+        return {"error": {"message": self.message, "type": kind, "param": self.param, "code": self.code}}
+
+    def response(self) -> JSONResponse:
+        headers = {"WWW-Authenticate": "Bearer"} if self.status == 401 else None
+        return JSONResponse(self.body(), status_code=self.status, headers=headers)
+
+
+def _from_router(err: RouterError, call: Call | None = None) -> ApiError:
+    status = _STATUS.get(err.code, 500)
+    if status != 400:
+        return ApiError(status, err.message, code=err.code.name.lower())
+    name, sep, rest = err.message.partition(":")
+    if not sep or not _FIELD.fullmatch(name):
+        return ApiError(400, err.message, code="invalid_value")
+    param = call.param(name) if call is not None else name
+    return ApiError(400, f"{param}:{rest}", param=param, code="invalid_value")
+
+
+def _from_validation(errors: list[dict[str, Any]], skip: int = 0) -> ApiError:
+    """The first pydantic error, naming its field the way OpenAI does (messages[0].role)."""
+    e = errors[0]
+    if e["type"] == "json_invalid":
+        return ApiError(400, f"the body is not valid JSON: {e.get('ctx', {}).get('error', e['msg'])}",
+                        code="invalid_json")
+    param = ""
+    for part in e["loc"][skip:]:
+        param += f"[{part}]" if isinstance(part, int) else f".{part}" if param else str(part)
+    msg = e["msg"].removeprefix("Value error, ")
+    if not param:
+        return ApiError(400, f"the body must be a JSON object: {msg}", code="invalid_value")
+    code = "missing_required_parameter" if e["type"] == "missing" else "invalid_value"
+    return ApiError(400, f"{param}: {msg}", param=param, code=code)
+
+
+def _parse(model: type[T], body: bytes) -> T:
+    try:
+        return model.model_validate_json(body, strict=True)
+    except pydantic.ValidationError as exc:
+        raise _from_validation(exc.errors(include_url=False)) from None
+
+
+# --- answering ----------------------------------------------------------------------------------
+
+
+async def _checked(messages: AsyncIterator[pb.GenerateResponse]) -> AsyncIterator[pb.GenerateResponse]:
+    """The router's stream, with a worker-side "error" or "abort" finish turned into a RouterError.
+
+    Closing this closes the router's generator, which cancels the worker call, so the worker
+    aborts the request and frees its KV blocks."""
+    async with contextlib.aclosing(messages):
+        async for msg in messages:
+            if msg.finish_reason == "error":
+                raise RouterError(grpc.StatusCode.INTERNAL, msg.error or "the worker failed the request")
+            if msg.finish_reason == "abort":
+                raise RouterError(grpc.StatusCode.UNAVAILABLE, "the worker aborted the request")
+            yield msg
+
+
+async def _unless_client_leaves(request: Request, work: Awaitable[T]) -> T:
+    """Await ``work``, cancelling it (and so the worker's request) if the client disconnects."""
+    task = asyncio.ensure_future(work)
+
+    async def left() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    watcher = asyncio.ensure_future(left())
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    except BaseException:  # this handler itself was cancelled (the server is stopping)
+        task.cancel()
+        raise
+    finally:
+        watcher.cancel()
+    if not task.done():
+        task.cancel()
+        await asyncio.wait({task})
+        raise ApiError(499, "the client closed the request", code="cancelled")
+    return task.result()
+
+
+def _event(data: dict[str, Any] | str) -> bytes:
+    return f"data: {data if isinstance(data, str) else json.dumps(data, separators=(',', ':'))}\n\n".encode()
+
+
+async def _events(answer: Answer, first: pb.GenerateResponse,
+                  rest: AsyncIterator[pb.GenerateResponse]) -> AsyncIterator[bytes]:
+    async with contextlib.aclosing(rest):
+        if (opening := answer.first_chunk()) is not None:
+            yield _event(opening)
+        msg = first
+        try:
+            while True:
+                if (chunk := answer.chunk(msg)) is not None:
+                    yield _event(chunk)
+                if msg.finish_reason:
+                    if answer.call.include_usage:
+                        yield _event(answer.usage_chunk(msg.usage))
+                    break
+                msg = await anext(rest)
+        except RouterError as err:
+            yield _event(_from_router(err, answer.call).body())
+        except StopAsyncIteration:
+            yield _event(ApiError(502, "the worker's stream ended without a finish reason").body())
+        yield _event("[DONE]")
+
+
+class _EventStream(StreamingResponse):
+    """Closes its generator however the response ends. Starlette only cancels the sending task
+    when the client disconnects, which can leave the generator suspended at a ``yield``, and the
+    worker would go on generating for nobody until garbage collection."""
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.body_iterator.aclose()
+
+
+async def _model_and_tokenizer(router: Router, call: Call) -> tuple[str, Any]:
+    """The model name the answer carries and, when logprobs were asked for, its tokenizer."""
+    model = call.request.model
+    if model and not call.wants_logprobs:
+        return model, None
+    workers = await router.live_workers()
+    if not model:
+        served = sorted({w.model for w in workers})
+        model = served[0] if len(served) == 1 else ""  # else Router.generate names the choices
+    pool = [w for w in workers if w.model == model]
+    if not call.wants_logprobs or not pool:
+        return model, None
+    return model, await router.tokenizers.get(pool[0].model_source or model)
+
+
+async def _answer(router: Router, request: Request, call: Call) -> Response:
+    model, tokenizer = await _model_and_tokenizer(router, call)
+    answer = Answer(call, model, tokenizer)
+    messages = _checked(router.generate(call.request))
+    try:
+        if not call.stream:
+            collected = await _unless_client_leaves(request, _collect(messages))
+            return JSONResponse(answer.response(collected))
+        first = await anext(messages)
+    except RouterError as err:
+        await messages.aclose()
+        raise _from_router(err, call) from None
+    except StopAsyncIteration:
+        raise ApiError(502, "the worker's stream ended without output") from None
+    return _EventStream(_events(answer, first, messages), media_type="text/event-stream",
+                        headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+
+async def _collect(messages: AsyncIterator[pb.GenerateResponse]) -> list[pb.GenerateResponse]:
+    collected = [msg async for msg in messages]
+    if not collected or not collected[-1].finish_reason:
+        raise ApiError(502, "the worker's stream ended without a finish reason")
+    return collected
+
+
+# --- the app ------------------------------------------------------------------------------------
+
+
+def create_app(router: Router, *, api_keys: Collection[str] = ()) -> FastAPI:
+    """An OpenAI-compatible app over ``router``; with ``api_keys``, /v1/* needs one as a bearer token."""
+    keys = [k.encode() for k in api_keys]
+    app = FastAPI(title="kvcascade router", docs_url=None, redoc_url=None, openapi_url=None)
+
+    async def authorize(request: Request) -> None:
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not token.strip():
+            raise ApiError(401, "missing API key: send 'Authorization: Bearer <key>'", code="invalid_api_key")
+        given = token.strip().encode()
+        # Compare with every key, so the time taken says nothing about which one nearly matched.
+        if not sum(secrets.compare_digest(given, k) for k in keys):
+            raise ApiError(401, "incorrect API key", code="invalid_api_key")
+
+    v1 = APIRouter(prefix="/v1", dependencies=[Depends(authorize)] if keys else [])
+
+    @v1.post("/completions")
+    async def completions(request: Request) -> Response:
+        call = completion_call(_parse(CompletionRequest, await request.body()))
+        return await _answer(router, request, call)
+
+    @v1.post("/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        call = chat_call(_parse(ChatRequest, await request.body()))
+        return await _answer(router, request, call)
+
+    @v1.get("/models")
+    async def models() -> dict[str, Any]:
+        data = [{"id": m, "object": "model", "created": 0, "owned_by": "kvcascade"} for m in await router.models()]
+        return {"object": "list", "data": data}
+
+    app.include_router(v1)
+
+    @app.get("/healthz")
+    async def healthz() -> dict[str, str]:
+        return {"status": "ok"}
+
+    @app.get("/readyz")
+    async def readyz() -> JSONResponse:
+        if await router.ready():
+            return JSONResponse({"status": "ready"})
+        return JSONResponse({"status": "no live worker"}, status_code=503)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(router.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.exception_handler(ApiError)
+    async def api_error(request: Request, exc: ApiError) -> JSONResponse:
+        return exc.response()
+
+    @app.exception_handler(BadRequest)
+    async def bad_request(request: Request, exc: BadRequest) -> JSONResponse:
+        return ApiError(400, exc.message, exc.param, "invalid_value").response()
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
+        return _from_validation(list(exc.errors()), skip=1).response()  # loc starts with "body"/"query"
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, exc: HTTPException) -> JSONResponse:
+        return ApiError(exc.status_code, str(exc.detail)).response()
+
+    return app
+
+
+# --- serving ------------------------------------------------------------------------------------
+
+
+class _Server(uvicorn.Server):
+    """uvicorn without signal handlers of its own: whoever embeds it decides when it stops."""
+
+    @contextlib.contextmanager
+    def capture_signals(self):
+        yield
+
+
+async def serve_http(app: FastAPI, host: str, port: int) -> tuple[uvicorn.Server, asyncio.Task[None]]:
+    """Serve ``app`` on host:port (0: a free port, see ``http_port``) in a task of this loop.
+    Returns once it accepts connections; ``stop_http`` stops it."""
+    # Bound here, so a taken port raises OSError to the caller instead of uvicorn's sys.exit.
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.create_server((host, port), family=family)
+    config = uvicorn.Config(app, host=host, port=port, log_level="warning", log_config=None, access_log=False,
+                            lifespan="off", timeout_graceful_shutdown=5)
+    server = _Server(config)
+    task = asyncio.create_task(server.serve(sockets=[sock]), name="kvcascade-http")
+    while not server.started:
+        if task.done():
+            sock.close()
+            task.result()
+            raise RuntimeError("the HTTP server stopped while starting")
+        await asyncio.sleep(0.01)
+    return server, task
+
+
+def http_port(server: uvicorn.Server) -> int:
+    return server.servers[0].sockets[0].getsockname()[1]
+
+
+async def stop_http(server: uvicorn.Server, task: asyncio.Task[None]) -> None:
+    """Stop accepting, give open requests a few seconds, then close them."""
+    server.should_exit = True
+    await task

@@ -1,0 +1,266 @@
+"""The router's core: tokenize, look up the prefix index, pick a worker, stream its answer.
+
+Front ends (gRPC in grpc_api.py, HTTP in http_api.py) call ``Router.generate`` with a proto
+GenerateRequest and get the worker's GenerateResponse messages back, or a RouterError.
+
+    request -> tokens (chat template applied exactly as a worker would) -> block hashes
+            -> registry.live_workers + index.match (one round trip each)
+            -> policy.order -> first worker that answers -> stream
+
+A worker that fails before its first token is skipped for the next one in the policy's order;
+one that fails after it ends the stream with UNAVAILABLE (tokens already sent cannot be replayed).
+When Redis is unreachable the router keeps serving with load-only routing on the last workers
+it knew, flags it in metrics and logs, and recovers on its own once Redis answers again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import defaultdict
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import grpc
+
+from protos import kvcascade_pb2 as pb
+from protos.block_hash import block_hashes
+from router.errors import RouterError
+from router.metrics import RouterMetrics
+from router.policy import Candidate, RoutingPolicy, create_policy
+from router.state import PrefixIndex, Registry, WorkerInfo
+from router.worker_client import WorkerClients
+
+log = logging.getLogger(__name__)
+
+# Worker errors that mean "this worker cannot take it now; another may".
+_RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED}
+
+
+@dataclass
+class RouterConfig:
+    policy: str = "prefix_aware"
+    max_attempts: int = 3  # workers tried before the first token
+    default_timeout_s: float | None = None  # per request, when the client sets no deadline
+
+
+class Tokenizers:
+    """One tokenizer per model source, loaded on first use, the same way the worker loads it."""
+
+    def __init__(self) -> None:
+        self._by_source: dict[str, object] = {}
+        self._lock = asyncio.Lock()
+
+    async def get(self, source: str):
+        if source not in self._by_source:
+            async with self._lock:
+                if source not in self._by_source:
+                    self._by_source[source] = await asyncio.to_thread(_load_tokenizer, source)
+        return self._by_source[source]
+
+
+def _load_tokenizer(source: str):
+    from worker.models.loader import load_tokenizer, resolve_model
+
+    return load_tokenizer(resolve_model(source))
+
+
+def tokenize(tokenizer, request: pb.GenerateRequest) -> list[int]:
+    """Prompt token ids exactly as the worker's engine computes them (LLMEngine.tokenize)."""
+    kind = request.WhichOneof("prompt")
+    if kind is None:
+        raise RouterError(grpc.StatusCode.INVALID_ARGUMENT, "prompt: set one of text, token_ids or messages")
+    if kind == "token_ids":
+        ids = list(request.token_ids.ids)
+    elif kind == "text":
+        ids = tokenizer.encode(request.text, add_special_tokens=False)
+    else:
+        messages = [{"role": m.role, "content": m.content} for m in request.messages.messages]
+        if not messages:
+            raise RouterError(grpc.StatusCode.INVALID_ARGUMENT, "messages: must hold at least one message")
+        for i, m in enumerate(messages):
+            if not m["role"]:
+                raise RouterError(grpc.StatusCode.INVALID_ARGUMENT, f"messages[{i}].role: must not be empty")
+        ids = list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                                 return_dict=False))
+    if not ids:
+        raise RouterError(grpc.StatusCode.INVALID_ARGUMENT, "prompt: must not be empty")
+    return ids
+
+
+class Router:
+    def __init__(self, registry: Registry, index: PrefixIndex, config: RouterConfig | None = None,
+                 policy: RoutingPolicy | None = None, metrics: RouterMetrics | None = None):
+        self.config = config or RouterConfig()
+        self.registry = registry
+        self.index = index
+        self.policy = policy or create_policy(self.config.policy)
+        self.metrics = metrics or RouterMetrics()
+        self.clients = WorkerClients()
+        self.tokenizers = Tokenizers()
+        self._in_flight: dict[str, int] = defaultdict(int)
+        self.prompt_tokens_total = 0  # over finished requests, for Stats
+        self.cached_tokens_total = 0
+        self._last_workers: list[WorkerInfo] = []
+        self._state_ok = True
+
+    # --- state, with the Redis-down fallback ----------------------------------------------------
+
+    def _state_failed(self, what: str, exc: Exception) -> None:
+        if self._state_ok:
+            log.warning("%s failed (%s); routing on load only with the last known workers until it answers",
+                        what, exc)
+        self._state_ok = False
+        self.metrics.state_up.set(0)
+
+    def _state_answered(self) -> None:
+        if not self._state_ok:
+            log.info("registry and prefix index answer again; prefix-aware routing resumes")
+        self._state_ok = True
+        self.metrics.state_up.set(1)
+
+    async def live_workers(self) -> list[WorkerInfo]:
+        try:
+            workers = await self.registry.live_workers()
+        except Exception as exc:  # Redis down: the last known workers, load-only
+            self._state_failed("worker registry", exc)
+            return list(self._last_workers)
+        self._state_answered()
+        self._last_workers = workers
+        self.metrics.workers_live.set(len(workers))
+        for w in workers:
+            self.metrics.worker_running.labels(w.worker_id).set(w.load.running)
+            self.metrics.worker_waiting.labels(w.worker_id).set(w.load.waiting)
+            self.metrics.worker_kv_free.labels(w.worker_id).set(w.load.kv_blocks_free)
+        return workers
+
+    async def sweep(self) -> list[str]:
+        """Drop index entries of workers that are no longer live (they never match, but use memory)."""
+        try:
+            live = {w.worker_id for w in await self.registry.live_workers()}
+            dead = sorted(await self.index.indexed_workers() - live)
+            for worker_id in dead:
+                await self.index.drop_worker(worker_id)
+        except Exception as exc:
+            self._state_failed("index sweep", exc)
+            return []
+        if dead:
+            log.info("dropped the prefix-index entries of dead workers %s", dead)
+        return dead
+
+    async def run_sweeper(self, interval_s: float = 30.0) -> None:
+        while True:
+            await asyncio.sleep(interval_s)
+            await self.sweep()
+
+    async def models(self) -> list[str]:
+        return sorted({w.model for w in await self.live_workers()})
+
+    async def ready(self) -> bool:
+        return bool(await self.live_workers())
+
+    # --- routing ----------------------------------------------------------------------------------
+
+    async def route(self, request: pb.GenerateRequest) -> tuple[list[int], list[tuple[Candidate, str]]]:
+        """The prompt's tokens and the workers to try, best first."""
+        workers = await self.live_workers()
+        served = sorted({w.model for w in workers})
+        model = request.model or (served[0] if len(served) == 1 else "")
+        if not model:
+            raise RouterError(grpc.StatusCode.INVALID_ARGUMENT,
+                              f"model: name one of the served models {served}" if served else "model: no worker is live")
+        pool = [w for w in workers if w.model == model]
+        if not pool:
+            if not served:
+                raise RouterError(grpc.StatusCode.UNAVAILABLE, "no worker is live")
+            raise RouterError(grpc.StatusCode.INVALID_ARGUMENT, f"model: unknown model {model!r}; served: {served}")
+        tokenizer = await self.tokenizers.get(pool[0].model_source or model)
+        ids = await asyncio.to_thread(tokenize, tokenizer, request)
+        block_size = pool[0].block_size
+        cached: dict[str, int] = {}
+        if self._state_ok or not self._last_workers:
+            try:
+                hashes = block_hashes(ids, block_size, model)
+                held = await self.index.match(model, hashes, {w.worker_id: w.epoch for w in pool})
+                cached = {wid: n * block_size for wid, n in held.items()}
+            except Exception as exc:
+                self._state_failed("prefix index", exc)
+        candidates = [Candidate(w, min(cached.get(w.worker_id, 0), len(ids)), self._in_flight[w.worker_id])
+                      for w in pool]
+        return ids, self.policy.order(candidates, len(ids))
+
+    async def generate(self, request: pb.GenerateRequest, timeout: float | None = None
+                       ) -> AsyncIterator[pb.GenerateResponse]:
+        """Stream one request's answer from the best worker that takes it."""
+        start = time.monotonic()
+        status = "ok"
+        try:
+            ids, order = await self.route(request)
+            forward = pb.GenerateRequest()
+            forward.CopyFrom(request)
+            forward.token_ids.ids[:] = ids  # workers get exactly the tokens that were hashed
+            timeout = timeout if timeout is not None else self.config.default_timeout_s
+            async for msg in self._stream(forward, order, timeout, start, len(ids)):
+                yield msg
+        except RouterError as err:
+            status = err.code.name.lower()
+            raise
+        except (asyncio.CancelledError, GeneratorExit):
+            status = "cancelled"
+            raise
+        finally:
+            self.metrics.requests.labels(status).inc()
+
+    async def _stream(self, request, order, timeout, start, prompt_len) -> AsyncIterator[pb.GenerateResponse]:
+        last_error: RouterError | None = None
+        for attempt, (cand, reason) in enumerate(order[: self.config.max_attempts]):
+            worker = cand.worker
+            remaining = None if timeout is None else max(0.0, timeout - (time.monotonic() - start))
+            call = self.clients.stub(worker.address).Generate(request, timeout=remaining)
+            self._in_flight[worker.worker_id] += 1
+            first_at = last_at = None
+            tokens = 0
+            try:
+                async for msg in call:
+                    now = time.monotonic()
+                    if first_at is None:
+                        first_at = now
+                        self.metrics.routing.labels(reason).inc()
+                        self.metrics.ttft.observe(now - start)
+                        if attempt:
+                            self.metrics.retries.inc()
+                    tokens += len(msg.token_ids)
+                    last_at = now
+                    if msg.finish_reason:
+                        msg.worker_id, msg.route_reason = worker.worker_id, reason
+                    if msg.HasField("usage"):
+                        self.metrics.prompt_tokens.inc(msg.usage.prompt_tokens)
+                        self.metrics.cached_tokens.inc(msg.usage.cached_tokens)
+                        self.metrics.completion_tokens.inc(msg.usage.completion_tokens)
+                        self.prompt_tokens_total += msg.usage.prompt_tokens
+                        self.cached_tokens_total += msg.usage.cached_tokens
+                    yield msg
+                if first_at is not None and tokens > 1:
+                    self.metrics.tpot.observe((last_at - first_at) / (tokens - 1))
+                return
+            except grpc.aio.AioRpcError as err:
+                code = err.code()
+                if first_at is not None:  # tokens went out: cannot move the request now
+                    raise RouterError(grpc.StatusCode.UNAVAILABLE,
+                                      f"worker {worker.worker_id} failed mid-stream: {err.details()}") from None
+                if code in _RETRYABLE:
+                    log.warning("worker %s at %s: %s before the first token; trying the next",
+                                worker.worker_id, worker.address, code.name)
+                    last_error = RouterError(code, f"worker {worker.worker_id}: {err.details()}")
+                    continue
+                raise RouterError(code, err.details() or code.name) from None
+            finally:
+                self._in_flight[worker.worker_id] -= 1
+                call.cancel()  # no-op when done; frees the worker's blocks when the client left
+        if last_error is not None:
+            raise last_error
+        raise RouterError(grpc.StatusCode.UNAVAILABLE, "no worker is live")
+
+    async def close(self) -> None:
+        await self.clients.close()

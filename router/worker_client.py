@@ -1,0 +1,40 @@
+"""gRPC channels to workers, one per address, reused across requests."""
+
+from __future__ import annotations
+
+import grpc
+
+from protos import kvcascade_pb2_grpc as pb_grpc
+
+# Fail fast on a dead worker: a request should move on to another worker, not wait for a reconnect.
+_CHANNEL_OPTIONS = [
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 1000),
+    ("grpc.keepalive_time_ms", 10_000),
+    ("grpc.keepalive_timeout_ms", 5_000),
+]
+
+
+class WorkerClients:
+    def __init__(self) -> None:
+        self._channels: dict[str, grpc.aio.Channel] = {}
+        self._stubs: dict[str, pb_grpc.KVCascadeStub] = {}
+
+    def stub(self, address: str) -> pb_grpc.KVCascadeStub:
+        stub = self._stubs.get(address)
+        if stub is None:
+            channel = grpc.aio.insecure_channel(address, options=_CHANNEL_OPTIONS)
+            self._channels[address] = channel
+            stub = self._stubs[address] = pb_grpc.KVCascadeStub(channel)
+        return stub
+
+    async def forget(self, address: str) -> None:
+        """Drop a channel (its worker is gone); the next request reconnects from scratch."""
+        self._stubs.pop(address, None)
+        channel = self._channels.pop(address, None)
+        if channel is not None:
+            await channel.close(grace=None)
+
+    async def close(self) -> None:
+        for address in list(self._channels):
+            await self.forget(address)

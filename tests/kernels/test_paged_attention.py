@@ -1,0 +1,150 @@
+import pytest
+import torch
+
+pytest.importorskip("triton", reason="Triton is not installed (the dev extra): the kernels cannot run")
+
+from kernels import (  # noqa: E402
+    default_num_splits,
+    paged_decode_attention,
+    paged_decode_attention_ref,
+    paged_prefill_attention,
+    paged_prefill_attention_ref,
+    store_kv,
+)
+from kernels import paged_attention  # noqa: E402
+
+# (query heads, KV heads): GQA ratio 2, plain multi-head, and a group of 3 (not a power of two).
+HEADS = [(4, 2), (2, 2), (6, 2)]
+
+
+@pytest.fixture(params=["default_tiles", "small_tiles"])
+def tiles(request, monkeypatch):
+    """The GPU tile sizes, and small ones so tiny shapes still cross many tiles and splits."""
+    if request.param == "small_tiles":
+        monkeypatch.setattr(paged_attention, "DECODE_BLOCK_N", 16)
+        monkeypatch.setattr(paged_attention, "PREFILL_BLOCK_M", 16)
+        monkeypatch.setattr(paged_attention, "PREFILL_BLOCK_N", 16)
+    return request.param
+
+
+def _pool(num_blocks, block_size, num_kv_heads, head_dim, dtype):
+    k_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim).to(dtype)
+    return k_cache, torch.randn_like(k_cache)
+
+
+def _block_tables(context_lens, block_size, num_blocks, extra_width=1):
+    """Each sequence gets distinct blocks in shuffled order; rows padded with 0 past their end."""
+    needed = [-(-ctx // block_size) for ctx in context_lens]
+    width = max(needed) + extra_width
+    free = torch.randperm(num_blocks).tolist()
+    assert sum(needed) <= num_blocks
+    tables = torch.zeros(len(context_lens), width, dtype=torch.int32)
+    for i, n in enumerate(needed):
+        tables[i, :n] = torch.tensor(free[:n], dtype=torch.int32)
+        free = free[n:]
+    return tables
+
+
+@pytest.mark.parametrize("num_splits", [1, 3, None])
+@pytest.mark.parametrize("head_dim,block_size", [(16, 4), (32, 16)])
+@pytest.mark.parametrize("num_heads,num_kv_heads", HEADS)
+def test_decode_matches_reference(tiles, num_heads, num_kv_heads, head_dim, block_size, num_splits):
+    # A context of 0 (an idle CUDA-graph row), 1, and lengths off block and tile boundaries.
+    context_lens = [37, 0, 1, 70]
+    num_blocks = 40 if block_size == 4 else 10
+    k_cache, v_cache = _pool(num_blocks, block_size, num_kv_heads, head_dim, torch.float32)
+    tables = _block_tables(context_lens, block_size, num_blocks)
+    ctx = torch.tensor(context_lens, dtype=torch.int32)
+    q = torch.randn(len(context_lens), num_heads, head_dim)
+    scale = head_dim**-0.5
+
+    got = paged_decode_attention(q, k_cache, v_cache, tables, ctx, scale, num_splits=num_splits)
+    want = paged_decode_attention_ref(q, k_cache, v_cache, tables, ctx, scale)
+
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
+    assert torch.equal(got[1], torch.zeros_like(got[1]))
+
+
+@pytest.mark.parametrize("num_splits", [1, 4])
+def test_decode_fp16(num_splits):
+    # bf16 attention is checked on the GPU only: the interpreter's tl.dot multiplies bf16's raw bits.
+    context_lens = [50, 17, 3]
+    k_cache, v_cache = _pool(12, 16, 2, 32, torch.float16)
+    tables = _block_tables(context_lens, 16, 12)
+    ctx = torch.tensor(context_lens, dtype=torch.int32)
+    q = torch.randn(3, 4, 32).half()
+
+    got = paged_decode_attention(q, k_cache, v_cache, tables, ctx, 32**-0.5, num_splits=num_splits)
+    want = paged_decode_attention_ref(q, k_cache, v_cache, tables, ctx, 32**-0.5)
+
+    torch.testing.assert_close(got, want, atol=2e-3, rtol=2e-3)
+
+
+def test_default_num_splits():
+    cpu = torch.device("cpu")  # stands in for a 4-SM device: a target of 8 programs
+    assert default_num_splits(8, 2, 4096, cpu) == 1  # enough (sequence, KV head) programs already
+    assert default_num_splits(1, 2, 4096, cpu) == 4  # long context, small batch: split to fill the chip
+    assert default_num_splits(1, 2, 128, cpu) == 1  # too short to be worth a merge
+    assert default_num_splits(1, 1, 10**6, cpu) == 8
+
+
+def _prefill_batch(prefixes, q_lens, num_kv_heads, head_dim, block_size, dtype):
+    """A pool holding each sequence's cached prefix, and this step's new K/V written by store_kv."""
+    context_lens = [p + n for p, n in zip(prefixes, q_lens)]
+    num_blocks = sum(-(-c // block_size) for c in context_lens) + 3
+    k_cache, v_cache = _pool(num_blocks, block_size, num_kv_heads, head_dim, dtype)
+    tables = _block_tables(context_lens, block_size, num_blocks, extra_width=2)
+    slots = []
+    for i, (prefix, ctx) in enumerate(zip(prefixes, context_lens)):
+        pos = torch.arange(prefix, ctx)
+        slots.append(tables[i, pos // block_size].long() * block_size + pos % block_size)
+    num_tokens = sum(q_lens)
+    k_new = torch.randn(num_tokens, num_kv_heads, head_dim).to(dtype)
+    v_new = torch.randn(num_tokens, num_kv_heads, head_dim).to(dtype)
+    store_kv(k_new, v_new, k_cache, v_cache, torch.cat(slots))
+    query_start = torch.tensor([0] + q_lens, dtype=torch.int32).cumsum(0, dtype=torch.int32)
+    return k_cache, v_cache, tables, query_start, torch.tensor(context_lens, dtype=torch.int32)
+
+
+# A fresh prompt; a chunk after a cached prefix (past one default tile, so the unmasked prefix
+# loop runs); a single-token query after a prefix; a block-aligned prefix with a block-sized chunk.
+PREFIXES, Q_LENS = [0, 70, 29, 16], [21, 12, 1, 16]
+
+
+@pytest.mark.parametrize("head_dim,block_size", [(16, 4), (32, 16)])
+@pytest.mark.parametrize("num_heads,num_kv_heads", HEADS)
+def test_prefill_matches_reference(tiles, num_heads, num_kv_heads, head_dim, block_size):
+    k_cache, v_cache, tables, query_start, ctx = _prefill_batch(
+        PREFIXES, Q_LENS, num_kv_heads, head_dim, block_size, torch.float32
+    )
+    q = torch.randn(sum(Q_LENS), num_heads, head_dim)
+    scale = head_dim**-0.5
+
+    got = paged_prefill_attention(q, k_cache, v_cache, tables, query_start, ctx, scale)
+    want = paged_prefill_attention_ref(q, k_cache, v_cache, tables, query_start, ctx, scale)
+
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
+
+
+def test_prefill_fp16(tiles):
+    k_cache, v_cache, tables, query_start, ctx = _prefill_batch(PREFIXES, Q_LENS, 2, 32, 16, torch.float16)
+    q = torch.randn(sum(Q_LENS), 4, 32).half()
+
+    got = paged_prefill_attention(q, k_cache, v_cache, tables, query_start, ctx, 32**-0.5)
+    want = paged_prefill_attention_ref(q, k_cache, v_cache, tables, query_start, ctx, 32**-0.5)
+
+    torch.testing.assert_close(got, want, atol=2e-3, rtol=2e-3)
+
+
+def test_prefill_of_single_tokens_equals_decode():
+    context_lens = [9, 33, 2]
+    k_cache, v_cache = _pool(20, 4, 2, 16, torch.float32)
+    tables = _block_tables(context_lens, 4, 20)
+    ctx = torch.tensor(context_lens, dtype=torch.int32)
+    q = torch.randn(3, 4, 16)
+    query_start = torch.arange(4, dtype=torch.int32)
+
+    prefill = paged_prefill_attention(q, k_cache, v_cache, tables, query_start, ctx, 0.25)
+    decode = paged_decode_attention(q, k_cache, v_cache, tables, ctx, 0.25, num_splits=2)
+
+    torch.testing.assert_close(prefill, decode, atol=1e-5, rtol=1e-4)

@@ -1,0 +1,77 @@
+"""Real `kvcascade worker` processes on loopback for the routing tests."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import grpc
+
+from protos import kvcascade_pb2 as pb
+from protos import kvcascade_pb2_grpc as pb_grpc
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class WorkerProcess:
+    """``kvcascade worker`` in a child process; start() returns once its gRPC server answers."""
+
+    def __init__(self, worker_id: str, redis_url: str, *extra: str, port: int | None = None):
+        self.worker_id = worker_id
+        self.redis_url = redis_url
+        self.extra = extra
+        self.port = port or free_port()
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def start(self, timeout: float = 180.0) -> "WorkerProcess":
+        env = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+        self.log = open(f"/tmp/kvcascade-test-{self.worker_id}-{self.port}.log", "w")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "kvcascade", "worker", "--port", str(self.port), "--worker-id", self.worker_id,
+             "--redis-url", self.redis_url, "--heartbeat-ttl", "2", *self.extra],
+            cwd=REPO, env=env, stdout=self.log, stderr=subprocess.STDOUT,
+        )
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"worker {self.worker_id} exited: {open(self.log.name).read()[-3000:]}")
+            try:
+                with grpc.insecure_channel(self.address) as ch:
+                    pb_grpc.KVCascadeStub(ch).Stats(pb.StatsRequest(), timeout=1)
+                return self
+            except grpc.RpcError:
+                time.sleep(0.5)
+        raise TimeoutError(f"worker {self.worker_id} did not start in {timeout}s")
+
+    def stats(self) -> pb.StatsResponse:
+        with grpc.insecure_channel(self.address) as ch:
+            return pb_grpc.KVCascadeStub(ch).Stats(pb.StatsRequest(), timeout=5)
+
+    def kill(self) -> None:
+        """SIGKILL: no clean deregistration, like a crashed node."""
+        if self.proc and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+            self.proc.wait(10)
+
+    def stop(self) -> None:
+        if self.proc and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(20)
+            except subprocess.TimeoutExpired:
+                self.kill()

@@ -1,0 +1,87 @@
+"""A worker's publisher keeps the prefix index exact: stored and evicted blocks, restarts, resync."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from protos.block_hash import block_hashes
+from router.memory_state import MemoryPrefixIndex, MemoryRegistry
+from worker.engine.async_engine import AsyncEngine
+from worker.engine.sampling_params import SamplingParams
+from worker.registration import WorkerPublisher
+
+GREEDY = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)
+
+
+async def run_one(engine: AsyncEngine, ids: list[int]) -> None:
+    async for _ in engine.generate(prompt_token_ids=ids, params=GREEDY):
+        pass
+
+
+async def held_blocks(index, model, ids, workers) -> dict[str, int]:
+    return await index.match(model, block_hashes(ids, 16, model), workers)
+
+
+@pytest.fixture
+def small_engine(make_engine):
+    # 12 blocks of 16 tokens: three 64-token prompts fill it, a fourth evicts the oldest.
+    engine = AsyncEngine(make_engine(num_kv_blocks=12))
+    engine.start()
+    yield engine
+    engine.shutdown()
+
+
+def test_stored_and_evicted_blocks_reach_the_index(small_engine):
+    async def scenario():
+        registry, index = MemoryRegistry(), MemoryPrefixIndex()
+        pub = WorkerPublisher(small_engine, registry, index, worker_id="w", address="127.0.0.1:1",
+                              model_source="smollm2-135m", heartbeat_s=0.1, event_interval_s=0.01)
+        await pub.start()
+        model = small_engine.model_id
+        live = {"w": pub.info.epoch}
+        prompts = [[1000 + 100 * k + i for i in range(64)] for k in range(4)]
+        await run_one(small_engine, prompts[0])
+        await asyncio.sleep(0.1)
+        assert (await held_blocks(index, model, prompts[0], live))["w"] == 4
+        for p in prompts[1:]:
+            await run_one(small_engine, p)
+        await asyncio.sleep(0.1)
+        # The pool (12 blocks) cannot hold four prompts of 4-5 blocks: the oldest went first, tail
+        # first, and the index knows exactly which blocks are left.
+        counts = [(await held_blocks(index, model, p, live))["w"] for p in prompts]
+        assert counts[-1] == 4 and counts[0] < 4, counts
+        engine = small_engine.engine
+        for p, n in zip(prompts, counts):
+            assert len(engine.block_manager.find_cached_prefix(_seq(p))[0]) == min(n, 3) or n == 4
+        # A stale epoch never matches; a restart drops the old entries and publishes a snapshot.
+        assert (await held_blocks(index, model, prompts[-1], {"w": "old-epoch"}))["w"] == 0
+        await pub.stop()
+        assert (await registry.live_workers()) == []
+        assert await index.indexed_workers() == set()
+
+    asyncio.run(scenario())
+
+
+def test_a_new_publisher_resyncs_what_the_engine_already_caches(small_engine):
+    async def scenario():
+        ids = [7] * 40
+        await run_one(small_engine, ids)
+        registry, index = MemoryRegistry(), MemoryPrefixIndex()
+        pub = WorkerPublisher(small_engine, registry, index, worker_id="w", address="127.0.0.1:1",
+                              model_source="smollm2-135m", heartbeat_s=0.1, event_interval_s=0.01)
+        await pub.start()
+        await asyncio.sleep(0.1)
+        assert (await held_blocks(index, small_engine.model_id, ids, {"w": pub.info.epoch}))["w"] == 2
+        [info] = await registry.live_workers()
+        assert info.load.kv_blocks_total == 12 and info.model_source == "smollm2-135m"
+        await pub.stop()
+
+    asyncio.run(scenario())
+
+
+def _seq(ids):
+    from worker.engine.sequence import Sequence
+
+    return Sequence("probe", list(ids) + [0], GREEDY)

@@ -1,0 +1,176 @@
+"""The router over real worker processes and a real Redis: prefix-aware placement, spill under
+load, worker death before and during a stream, restarts with a new epoch, and Redis going away."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import time
+
+import grpc
+import pytest
+
+from protos import kvcascade_pb2 as pb
+from protos import kvcascade_pb2_grpc as pb_grpc
+from router.grpc_api import RouterServer
+from router.router import Router
+from router.state import connect_state
+
+from .loop_thread import LoopThread
+from .processes import WorkerProcess
+
+pytestmark = pytest.mark.slow
+
+SYSTEM = ("You are the support assistant of Northwind Outfitters, a shop for hiking and camping gear. "
+          "Answer briefly and politely. Our return policy: unused items can be returned within 30 days "
+          "with the receipt; sale items within 14 days. Shipping is free above 50 euros and takes two to "
+          "four working days inside the EU. Tents carry a two year warranty, boots one year. ")
+
+
+def chat(system: str, question: str, max_tokens: int = 4) -> pb.GenerateRequest:
+    req = pb.GenerateRequest(sampling=pb.SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True))
+    req.messages.messages.add(role="system", content=system)
+    req.messages.messages.add(role="user", content=question)
+    return req
+
+
+@pytest.fixture(scope="module")
+def cluster(redis_server):
+    url = redis_server.url
+    workers = {wid: WorkerProcess(wid, url) for wid in ("w1", "w2")}
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:  # load both models at once
+        list(pool.map(lambda w: w.start(), workers.values()))
+    loop = LoopThread()
+    registry, index = connect_state(url, "kvc:")
+
+    async def start():
+        router = Router(registry, index)
+        server = RouterServer(router, "127.0.0.1", 0)
+        await server.start()
+        return router, server
+
+    router, server = loop.run(start())
+    channel = grpc.insecure_channel(server.address)
+    yield dict(workers=workers, router=router, stub=pb_grpc.KVCascadeStub(channel), loop=loop, index=index,
+               redis=redis_server)
+    channel.close()
+    loop.run(server.stop(0))
+    loop.run(router.close())
+    loop.close()
+    for w in workers.values():
+        w.stop()
+
+
+def ask(cluster, req, timeout=60) -> pb.GenerateResponse:
+    """The last message of a Generate through the router (it carries worker_id and usage)."""
+    last = None
+    for last in cluster["stub"].Generate(req, timeout=timeout):
+        pass
+    return last
+
+
+def wait_for(predicate, timeout=15.0, interval=0.1):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(interval)
+    return False
+
+
+def live_ids(cluster) -> set[str]:
+    return {w.worker_id for w in cluster["loop"].run(cluster["router"].live_workers())}
+
+
+def test_requests_sharing_a_prefix_land_on_the_worker_that_holds_it(cluster):
+    first = ask(cluster, chat(SYSTEM, "Can I return boots?"))
+    holder = first.worker_id
+    assert holder in ("w1", "w2") and first.usage.cached_tokens == 0
+    time.sleep(0.5)  # the holder publishes its stored blocks (every 50 ms)
+    for q in ("Is shipping free?", "How long is the tent warranty?", "Do you ship to Norway?"):
+        out = ask(cluster, chat(SYSTEM, q))
+        assert out.worker_id == holder, out
+        assert out.route_reason == "prefix_hit"
+        assert out.usage.cached_tokens >= 64
+
+
+def test_a_hot_prefix_spills_to_the_other_worker_under_load(cluster):
+    other_system = SYSTEM.replace("Northwind Outfitters", "Southwind Supplies")
+    ask(cluster, chat(other_system, "Hello"))
+    time.sleep(0.5)
+    reqs = [chat(other_system, f"Question number {i}: what do you sell?", max_tokens=24) for i in range(6)]
+    with concurrent.futures.ThreadPoolExecutor(6) as pool:
+        outs = list(pool.map(lambda r: ask(cluster, r), reqs))
+    assert {o.worker_id for o in outs} == {"w1", "w2"}, [(o.worker_id, o.route_reason) for o in outs]
+    assert "prefix_spill" in {o.route_reason for o in outs}
+    assert all(o.finish_reason == "length" and o.usage.completion_tokens == 24 for o in outs)
+
+
+def test_a_dead_worker_is_skipped_before_the_first_token_and_returns_with_a_new_epoch(cluster):
+    workers, index = cluster["workers"], cluster["index"]
+    victim = workers["w2"]
+    # Give w2 a prefix only it holds, by asking it directly (its publisher indexes the blocks).
+    system = SYSTEM.replace("hiking", "sailing")
+    with grpc.insecure_channel(victim.address) as ch:
+        for _ in pb_grpc.KVCascadeStub(ch).Generate(chat(system, "Hi"), timeout=60):
+            pass
+    assert wait_for(lambda: ask_route(cluster, chat(system, "Hi again")) == "w2")
+    victim.kill()
+    # Registry still lists w2 (its TTL has not run out): the router tries it, fails, moves on.
+    out = ask(cluster, chat(system, "Anyone there?"))
+    assert out.worker_id == "w1" and out.finish_reason == "length"
+    assert wait_for(lambda: "w2" not in live_ids(cluster), timeout=10)
+    # Restart under the same id: a new epoch; the old epoch's entries are gone and it serves again.
+    victim.start()
+    assert wait_for(lambda: "w2" in live_ids(cluster), timeout=10)
+    router = cluster["router"]
+    epochs = {w.worker_id: w.epoch for w in cluster["loop"].run(router.live_workers())}
+    ids = cluster["loop"].run(router.route(chat(system, "x")))[0]
+    from protos.block_hash import block_hashes
+
+    held = cluster["loop"].run(index.match(victim_model(cluster), block_hashes(ids, 16, victim_model(cluster)),
+                                           epochs))
+    assert held["w2"] == 0
+
+
+def test_a_worker_dying_mid_stream_ends_the_stream_with_unavailable(cluster):
+    workers = cluster["workers"]
+    req = chat(SYSTEM, "Write a very long story about a tent.", max_tokens=2000)
+    stream = cluster["stub"].Generate(req, timeout=120)
+    first = next(stream)
+    assert first.token_ids
+    # Which worker is it? The one with a running request.
+    serving = next(w for w in workers.values() if w.stats().running == 1)
+    started = time.monotonic()
+    serving.kill()
+    with pytest.raises(grpc.RpcError) as err:
+        for _ in stream:
+            pass
+    assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert time.monotonic() - started < 10, "the stream must end, not hang"
+    serving.start()
+    assert wait_for(lambda: serving.worker_id in live_ids(cluster), timeout=10)
+
+
+def test_redis_down_keeps_serving_on_load_then_recovers(cluster):
+    redis, router = cluster["redis"], cluster["router"]
+    ask(cluster, chat(SYSTEM, "warm up"))
+    redis.stop()
+    try:
+        out = ask(cluster, chat(SYSTEM, "Is shipping free?"))
+        assert out.finish_reason == "length"
+        assert router.metrics.registry.get_sample_value("kvcascade_state_backend_up") == 0
+    finally:
+        redis.start()
+    # Workers notice the empty Redis, re-register with a snapshot of their caches; routing on
+    # prefixes resumes without any router restart.
+    assert wait_for(lambda: live_ids(cluster) == {"w1", "w2"}, timeout=20)
+    assert wait_for(lambda: ask(cluster, chat(SYSTEM, "Can I return boots?")).route_reason == "prefix_hit", timeout=20)
+    assert router.metrics.registry.get_sample_value("kvcascade_state_backend_up") == 1
+
+
+def ask_route(cluster, req) -> str:
+    return ask(cluster, req).worker_id
+
+
+def victim_model(cluster) -> str:
+    return cluster["loop"].run(cluster["router"].live_workers())[0].model
