@@ -25,7 +25,9 @@ class MemoryRegistry(Registry):
 
     async def register(self, info: WorkerInfo, ttl_s: float) -> None:
         # A copy, as Redis stores a snapshot: later changes to the caller's object publish nothing.
-        self._workers[info.worker_id] = (copy.deepcopy(info), time.monotonic() + ttl_s)
+        stored = copy.deepcopy(info)
+        stored.last_seen = time.time()
+        self._workers[info.worker_id] = (stored, time.monotonic() + ttl_s)
 
     async def heartbeat(self, worker_id: str, epoch: str, load: WorkerLoad, ttl_s: float) -> bool:
         info = self._live(worker_id)

@@ -107,7 +107,7 @@ class PrefixIndex(abc.ABC):
         "stored" adds (or re-tags) the worker's entry for the block with ``epoch``; "evicted"
         removes it only if it carries ``epoch`` (a late event of an old epoch cannot drop a new
         epoch's block); "cleared" removes all of the worker's entries, whatever their epoch.
-        A worker applies "cleared" when it starts, so its previous epoch's entries go at once.
+        A starting worker applies "cleared" (or calls drop_worker), so its old epoch's entries go.
         Raises ValueError, applying nothing, on an unknown kind or a hash outside [0, 2**64)."""
 
     @abc.abstractmethod

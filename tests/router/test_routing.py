@@ -9,14 +9,15 @@ import time
 import grpc
 import pytest
 
+from deploy.local import WorkerProcess
 from protos import kvcascade_pb2 as pb
 from protos import kvcascade_pb2_grpc as pb_grpc
+from protos.block_hash import block_hashes
 from router.grpc_api import RouterServer
 from router.router import Router
 from router.state import connect_state
 
 from .loop_thread import LoopThread
-from .processes import WorkerProcess
 
 pytestmark = pytest.mark.slow
 
@@ -125,8 +126,6 @@ def test_a_dead_worker_is_skipped_before_the_first_token_and_returns_with_a_new_
     router = cluster["router"]
     epochs = {w.worker_id: w.epoch for w in cluster["loop"].run(router.live_workers())}
     ids = cluster["loop"].run(router.route(chat(system, "x")))[0]
-    from protos.block_hash import block_hashes
-
     held = cluster["loop"].run(index.match(victim_model(cluster), block_hashes(ids, 16, victim_model(cluster)),
                                            epochs))
     assert held["w2"] == 0
@@ -174,3 +173,13 @@ def ask_route(cluster, req) -> str:
 
 def victim_model(cluster) -> str:
     return cluster["loop"].run(cluster["router"].live_workers())[0].model
+
+
+def test_cancelling_through_the_router_frees_the_workers_blocks(cluster):
+    workers = cluster["workers"]
+    stream = cluster["stub"].Generate(chat(SYSTEM, "Tell me everything about tents.", max_tokens=2000), timeout=120)
+    assert next(stream).token_ids
+    assert sum(w.stats().running for w in workers.values()) == 1
+    stream.cancel()
+    assert wait_for(lambda: all(w.stats().kv_blocks_used == 0 and w.stats().running == 0
+                                for w in workers.values()), timeout=5)

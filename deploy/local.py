@@ -1,4 +1,4 @@
-"""Real `kvcascade worker` processes on loopback for the routing tests."""
+"""Local `kvcascade worker` processes on loopback: for tests, benchmarks and trying things out."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -15,7 +16,7 @@ import grpc
 from protos import kvcascade_pb2 as pb
 from protos import kvcascade_pb2_grpc as pb_grpc
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[1]
 
 
 def free_port() -> int:
@@ -40,7 +41,7 @@ class WorkerProcess:
 
     def start(self, timeout: float = 180.0) -> "WorkerProcess":
         env = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-        self.log = open(f"/tmp/kvcascade-test-{self.worker_id}-{self.port}.log", "w")
+        self.log = open(Path(tempfile.gettempdir()) / f"kvcascade-{self.worker_id}-{self.port}.log", "w")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "kvcascade", "worker", "--port", str(self.port), "--worker-id", self.worker_id,
              "--redis-url", self.redis_url, "--heartbeat-ttl", "2", *self.extra],

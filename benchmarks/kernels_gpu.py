@@ -1,0 +1,264 @@
+"""The Triton kernels on a CUDA device at Llama-3.1-8B shapes: right, and how near the floor.
+
+Each kernel is first checked against its torch reference (kernels/reference.py) on the same
+inputs, then timed with CUDA events: warm-up, then the median of many runs, with L2 flushed
+before each run so that small working sets are not served from cache. Memory-bound kernels are
+scored by achieved bandwidth over the bytes they must move (for decode attention: the live K/V
+read once, plus q and out) as a fraction of ``--peak-gbps``; prefill attention, which is
+compute-bound, also by TFLOP/s against ``--peak-tflops``. Run from the repository root:
+
+    python benchmarks/kernels_gpu.py --out kernels_gpu.json
+    python benchmarks/kernels_gpu.py --sweep-splits   # also time decode at fixed split counts
+
+Shapes: H=32, KVH=8, D=128, block size 16, bf16, hidden 4096, intermediate 14336; decode at
+batch 1 / 64 / 256 with contexts of 512, 4096 and mixed 512-4096; prefill of 4 x 512 new tokens,
+fresh and after cached prefixes. Peaks default to this project's measured H100 figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import platform
+import random
+import statistics
+import sys
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import kernels as K  # noqa: E402
+from kernels.paged_attention import default_num_splits  # noqa: E402
+
+H, KVH, D, BLOCK_SIZE = 32, 8, 128, 16
+HIDDEN, INTER, MAX_POS = 4096, 14336, 8192
+DTYPE = torch.bfloat16
+ELEM = 2  # bytes per bf16
+SCALE = D**-0.5
+
+
+@dataclass
+class Result:
+    kernel: str
+    case: str
+    ms: float
+    bytes: int
+    gbps: float
+    bw_frac: float
+    max_err: float
+    ok: bool
+    tflops: float | None = None
+    flops_frac: float | None = None
+    note: str = ""
+
+
+class Bench:
+    def __init__(self, args: argparse.Namespace):
+        self.args = args
+        self.device = torch.device("cuda")
+        self.flush = torch.empty(256 << 20, dtype=torch.int8, device=self.device)
+        self.results: list[Result] = []
+
+    def time_ms(self, fn: Callable[[], object]) -> float:
+        for _ in range(self.args.warmup):
+            fn()
+        starts = [torch.cuda.Event(enable_timing=True) for _ in range(self.args.reps)]
+        ends = [torch.cuda.Event(enable_timing=True) for _ in range(self.args.reps)]
+        for start, end in zip(starts, ends):
+            self.flush.zero_()  # evict L2 (50 MB on an H100) so every run reads from HBM
+            start.record()
+            fn()
+            end.record()
+        torch.cuda.synchronize()
+        return statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends))
+
+    def record(self, kernel, case, fn, nbytes, err, tol, flops=None, note=""):
+        ms = self.time_ms(fn)
+        gbps = nbytes / ms / 1e6
+        res = Result(
+            kernel, case, round(ms, 4), nbytes, round(gbps, 1), round(gbps / self.args.peak_gbps, 3),
+            float(err), bool(err <= tol), note=note,
+        )
+        if flops is not None:
+            res.tflops = round(flops / ms / 1e9, 1)
+            res.flops_frac = round(res.tflops / self.args.peak_tflops, 3)
+        self.results.append(res)
+        print(_row(res), flush=True)
+
+
+def _err(got: torch.Tensor, want: torch.Tensor) -> float:
+    """Worst error relative to the reference's scale: max |got - want| / max(1, max |want|)."""
+    return ((got.float() - want.float()).abs().max() / want.float().abs().max().clamp(min=1.0)).item()
+
+
+def _pool(context_lens: list[int], device: torch.device):
+    """K/V pool holding the given contexts in shuffled blocks, and the block tables."""
+    needed = [-(-c // BLOCK_SIZE) for c in context_lens]
+    num_blocks = sum(needed) + 1
+    k_cache = torch.randn(num_blocks, BLOCK_SIZE, KVH, D, dtype=DTYPE, device=device)
+    v_cache = torch.randn_like(k_cache)
+    order = torch.randperm(num_blocks, device=device).to(torch.int32)
+    tables = torch.zeros(len(context_lens), max(needed), dtype=torch.int32, device=device)
+    start = 0
+    for i, n in enumerate(needed):
+        tables[i, :n] = order[start : start + n]
+        start += n
+    return k_cache, v_cache, tables
+
+
+def bench_decode(b: Bench) -> None:
+    for batch in (1, 64, 256):
+        rng = random.Random(batch)
+        for label, lens in (
+            ("ctx 512", [512] * batch),
+            ("ctx 4096", [4096] * batch),
+            ("ctx mixed 512-4096", [rng.randint(512, 4096) for _ in range(batch)]),
+        ):
+            k_cache, v_cache, tables = _pool(lens, b.device)
+            ctx = torch.tensor(lens, dtype=torch.int32, device=b.device)
+            q = torch.randn(batch, H, D, dtype=DTYPE, device=b.device)
+            want = K.paged_decode_attention_ref(q, k_cache, v_cache, tables, ctx, SCALE)
+            nbytes = sum(lens) * KVH * D * 2 * ELEM + 2 * batch * H * D * ELEM
+            auto = default_num_splits(batch, KVH, tables.shape[1] * BLOCK_SIZE, b.device)
+            splits = [None] + ([s for s in (1, 2, 4, 8, 16, 32) if s != auto] if b.args.sweep_splits else [])
+            for s in splits:
+                got = K.paged_decode_attention(q, k_cache, v_cache, tables, ctx, SCALE, num_splits=s)
+                b.record(
+                    "decode_attention", f"B={batch} {label}",
+                    lambda s=s: K.paged_decode_attention(q, k_cache, v_cache, tables, ctx, SCALE, num_splits=s),
+                    nbytes, _err(got, want), 2e-2, note=f"splits={auto if s is None else s}{' (auto)' if s is None else ''}",
+                )
+            del k_cache, v_cache, tables, want
+            torch.cuda.empty_cache()
+
+
+def bench_prefill(b: Bench) -> None:
+    q_len = 512
+    for label, prefixes in (("4x512 fresh", [0, 0, 0, 0]), ("4x512 after prefixes 0/512/1536/3584", [0, 512, 1536, 3584])):
+        lens = [p + q_len for p in prefixes]
+        k_cache, v_cache, tables = _pool(lens, b.device)
+        ctx = torch.tensor(lens, dtype=torch.int32, device=b.device)
+        query_start = torch.arange(0, 4 * q_len + 1, q_len, dtype=torch.int32, device=b.device)
+        q = torch.randn(4 * q_len, H, D, dtype=DTYPE, device=b.device)
+        want = K.paged_prefill_attention_ref(q, k_cache, v_cache, tables, query_start, ctx, SCALE)
+        got = K.paged_prefill_attention(q, k_cache, v_cache, tables, query_start, ctx, SCALE)
+        nbytes = sum(lens) * KVH * D * 2 * ELEM + 2 * q.numel() * ELEM
+        # QK^T and PV: 2 flops per multiply-add each, over the keys each query sees (causal).
+        flops = 4 * H * D * sum(q_len * p + q_len * (q_len + 1) // 2 for p in prefixes)
+        b.record(
+            "prefill_attention", label,
+            lambda: K.paged_prefill_attention(q, k_cache, v_cache, tables, query_start, ctx, SCALE),
+            nbytes, _err(got, want), 2e-2, flops=flops,
+        )
+        del k_cache, v_cache, tables, want
+        torch.cuda.empty_cache()
+
+
+def bench_store_kv(b: Bench) -> None:
+    for tokens in (256, 2048):
+        num_blocks = 4 * tokens // BLOCK_SIZE
+        k_cache = torch.zeros(num_blocks, BLOCK_SIZE, KVH, D, dtype=DTYPE, device=b.device)
+        v_cache = torch.zeros_like(k_cache)
+        k_ref, v_ref = k_cache.clone(), v_cache.clone()
+        k = torch.randn(tokens, KVH, D, dtype=DTYPE, device=b.device)
+        v = torch.randn_like(k)
+        slots = torch.randperm(num_blocks * BLOCK_SIZE, device=b.device)[:tokens]
+        slots[::7] = -1  # padding
+        K.store_kv(k, v, k_cache, v_cache, slots)
+        K.store_kv_ref(k, v, k_ref, v_ref, slots)
+        err = max(_err(k_cache, k_ref), _err(v_cache, v_ref))
+        nbytes = 2 * 2 * tokens * KVH * D * ELEM + tokens * 8  # k and v, read and written; slots
+        b.record("store_kv", f"T={tokens}", lambda: K.store_kv(k, v, k_cache, v_cache, slots), nbytes, err, 0.0)
+
+
+def bench_rms_norm(b: Bench) -> None:
+    for tokens in (256, 4096):
+        x = torch.randn(tokens, HIDDEN, dtype=DTYPE, device=b.device)
+        residual = torch.randn_like(x)
+        weight = (1 + 0.1 * torch.randn(HIDDEN, device=b.device)).to(DTYPE)
+        got, got_res = K.rms_norm(x, weight, 1e-5, residual)
+        want, want_res = K.rms_norm_ref(x, weight, 1e-5, residual)
+        err = max(_err(got, want), _err(got_res, want_res))
+        nbytes = 4 * tokens * HIDDEN * ELEM + HIDDEN * ELEM  # x, residual in; out, residual out
+        b.record("rms_norm+residual", f"T={tokens}", lambda: K.rms_norm(x, weight, 1e-5, residual), nbytes, err, 1e-2)
+
+
+def bench_rotary(b: Bench) -> None:
+    inv_freq = 1.0 / (500000.0 ** (torch.arange(0, D, 2, device=b.device).float() / D))
+    freqs = torch.arange(MAX_POS, device=b.device).float()[:, None] * inv_freq[None, :]
+    emb = torch.cat((freqs, freqs), dim=-1)
+    cos, sin = emb.cos(), emb.sin()
+    for tokens in (256, 4096):
+        positions = torch.randint(0, MAX_POS, (tokens,), device=b.device)
+        q = torch.randn(tokens, H, D, dtype=DTYPE, device=b.device)
+        k = torch.randn(tokens, KVH, D, dtype=DTYPE, device=b.device)
+        want_q, want_k = K.rotary_embedding_ref(positions, q, k, cos, sin)
+        got_q, got_k = K.rotary_embedding(positions, q.clone(), k.clone(), cos, sin)
+        err = max(_err(got_q, want_q), _err(got_k, want_k))
+        nbytes = 2 * tokens * (H + KVH) * D * ELEM + 2 * tokens * D * 4  # q, k in place; cos, sin rows
+        b.record("rotary", f"T={tokens}", lambda: K.rotary_embedding(positions, q, k, cos, sin), nbytes, err, 1e-2)
+
+
+def bench_silu_and_mul(b: Bench) -> None:
+    for tokens in (256, 4096):
+        x = torch.randn(tokens, 2 * INTER, dtype=DTYPE, device=b.device)
+        err = _err(K.silu_and_mul(x), K.silu_and_mul_ref(x))
+        nbytes = tokens * 3 * INTER * ELEM  # [T, 2I] in, [T, I] out
+        b.record("silu_and_mul", f"T={tokens}", lambda: K.silu_and_mul(x), nbytes, err, 1e-2)
+
+
+def _row(r: Result) -> str:
+    flops = f"{r.tflops:7.1f} {100 * r.flops_frac:5.1f}%" if r.tflops is not None else " " * 14
+    return (
+        f"{r.kernel:<18} {r.case:<38} {r.ms:9.4f} {r.gbps:8.1f} {100 * r.bw_frac:5.1f}% {flops} "
+        f"{r.max_err:9.2e} {'ok' if r.ok else 'FAIL':<4} {r.note}"
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--peak-gbps", type=float, default=2960.0, help="memory bandwidth to score against")
+    parser.add_argument("--peak-tflops", type=float, default=760.0, help="bf16 matmul rate to score prefill against")
+    parser.add_argument("--warmup", type=int, default=10)
+    parser.add_argument("--reps", type=int, default=100)
+    parser.add_argument("--sweep-splits", action="store_true", help="also time decode at fixed split counts")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
+    args = parser.parse_args()
+    if not torch.cuda.is_available() or not K.HAS_TRITON:
+        sys.exit("needs a CUDA device and Triton")
+    torch.manual_seed(args.seed)
+
+    b = Bench(args)
+    print(f"{torch.cuda.get_device_name()}  torch {torch.__version__}  peak {args.peak_gbps} GB/s, {args.peak_tflops} TFLOP/s")
+    print(f"{'kernel':<18} {'case':<38} {'ms':>9} {'GB/s':>8} {'%bw':>6} {'TFLOP/s':>7} {'%mm':>6} {'err':>9} ok")
+    for part in (bench_decode, bench_prefill, bench_store_kv, bench_rms_norm, bench_rotary, bench_silu_and_mul):
+        part(b)
+
+    failed = [r for r in b.results if not r.ok]
+    print(f"{len(b.results) - len(failed)}/{len(b.results)} cases match their reference")
+    if args.out:
+        report = {
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "device": torch.cuda.get_device_name(),
+            "torch": torch.__version__,
+            "triton": __import__("triton").__version__,
+            "python": platform.python_version(),
+            "command": " ".join(sys.argv),
+            "peak_gbps": args.peak_gbps,
+            "peak_tflops": args.peak_tflops,
+            "shapes": {"H": H, "KVH": KVH, "D": D, "block_size": BLOCK_SIZE, "hidden": HIDDEN, "inter": INTER, "dtype": "bf16"},
+            "results": [asdict(r) for r in b.results],
+        }
+        args.out.write_text(json.dumps(report, indent=2) + "\n")
+        print(f"wrote {args.out}")
+    sys.exit(1 if failed else 0)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,279 @@
+"""The OpenAI-compatible HTTP front over real parts: an in-process worker (engine + gRPC server) on
+loopback, the router on the in-memory registry and index, uvicorn on a free port, and the stock
+``openai`` client and httpx as the callers."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+from router.http_api import create_app, http_port, serve_http, stop_http
+from router.memory_state import MemoryPrefixIndex, MemoryRegistry
+from router.router import Router
+from router.state import WorkerInfo
+from worker.engine.async_engine import AsyncEngine
+from worker.engine.config import EngineConfig
+from worker.engine.llm_engine import LLMEngine
+from worker.server import WorkerServer
+
+from .loop_thread import LoopThread
+
+KEY = "sk-test-key"
+PROMPT = "The capital of France is"
+CHAT = [{"role": "user", "content": "Name three colors."}]
+# Several KV blocks long, so a second request finds most of it in the worker's prefix cache.
+DOCUMENT = ("Northwind Outfitters sells hiking and camping gear. Unused items can be returned within 30 days "
+            "with the receipt; sale items within 14 days. Shipping is free above 50 euros and takes two to four "
+            "working days inside the EU. Tents carry a two year warranty, boots one year. Question: how long "
+            "is the warranty on boots? Answer:")
+
+
+@dataclass
+class Stack:
+    loop: LoopThread
+    engine: AsyncEngine
+    registry: MemoryRegistry
+    info: WorkerInfo
+    base_url: str
+
+    @property
+    def model(self) -> str:
+        return self.info.model
+
+    def client(self, api_key: str = KEY) -> openai.OpenAI:
+        return openai.OpenAI(base_url=f"{self.base_url}/v1", api_key=api_key, max_retries=0, timeout=60)
+
+    def post(self, path: str, body: Any = None, *, content: bytes | None = None, key: str | None = KEY,
+             timeout: float = 60) -> httpx.Response:
+        headers = {"Authorization": f"Bearer {key}"} if key else {}
+        return httpx.post(f"{self.base_url}{path}", json=body, content=content, headers=headers, timeout=timeout)
+
+    def get(self, path: str, key: str | None = None) -> httpx.Response:
+        headers = {"Authorization": f"Bearer {key}"} if key else {}
+        return httpx.get(f"{self.base_url}{path}", headers=headers, timeout=30)
+
+    def wait_until_idle(self, within_s: float) -> None:
+        """The worker's engine runs nothing and holds no KV block (cached free blocks don't count)."""
+        deadline = time.monotonic() + within_s
+        while True:
+            stats = self.engine.stats()
+            if stats.running == 0 and stats.waiting == 0 and stats.kv_blocks_used == 0:
+                return
+            assert time.monotonic() < deadline, f"the worker is still busy after {within_s}s: {stats}"
+            time.sleep(0.05)
+
+
+@pytest.fixture(scope="module")
+def stack(smollm2: LLMEngine) -> Iterator[Stack]:
+    loop = LoopThread()
+
+    async def start():
+        engine = AsyncEngine(LLMEngine(EngineConfig(model="smollm2-135m"), tokenizer=smollm2.tokenizer,
+                                       model=smollm2.model))
+        engine.start()
+        worker = WorkerServer(engine, "127.0.0.1", 0)
+        await worker.start()
+        registry = MemoryRegistry()
+        info = WorkerInfo(worker_id="w0", epoch="e1", address=f"127.0.0.1:{worker.port}", model=engine.model_id,
+                          model_source="smollm2-135m", block_size=16, capacity=64)
+        await registry.register(info, ttl_s=3600)
+        router = Router(registry, MemoryPrefixIndex())
+        server, task = await serve_http(create_app(router, api_keys=[KEY]), "127.0.0.1", 0)
+        return engine, worker, registry, info, router, server, task
+
+    engine, worker, registry, info, router, server, task = loop.run(start())
+    try:
+        yield Stack(loop, engine, registry, info, f"http://127.0.0.1:{http_port(server)}")
+    finally:
+        loop.run(stop_http(server, task))
+        loop.run(router.close())
+        loop.run(worker.stop(0))
+        engine.shutdown()
+        loop.close()
+
+
+# --- the stock openai client ----------------------------------------------------------------------
+
+
+def test_completion_streamed_equals_non_streamed(stack: Stack) -> None:
+    client = stack.client()
+    kwargs = dict(model=stack.model, prompt=PROMPT, max_tokens=8, temperature=0)
+    full = client.completions.create(**kwargs)
+    assert full.id.startswith("cmpl-") and full.object == "text_completion" and full.model == stack.model
+    choice = full.choices[0]
+    assert choice.index == 0 and choice.text and choice.finish_reason in ("stop", "length")
+    assert choice.logprobs is None
+    usage = full.usage
+    assert 0 < usage.completion_tokens <= 8 and usage.prompt_tokens > 0
+    assert usage.total_tokens == usage.prompt_tokens + usage.completion_tokens
+
+    chunks = list(client.completions.create(**kwargs, stream=True, stream_options={"include_usage": True}))
+    assert all(c.object == "text_completion" and c.id == chunks[0].id for c in chunks)
+    *text_chunks, usage_chunk = chunks
+    assert "".join(c.choices[0].text for c in text_chunks) == choice.text
+    assert text_chunks[-1].choices[0].finish_reason == choice.finish_reason
+    assert all(c.usage is None for c in text_chunks)
+    assert usage_chunk.choices == [] and usage_chunk.usage.completion_tokens == usage.completion_tokens
+
+
+def test_chat_streamed_equals_non_streamed(stack: Stack) -> None:
+    client = stack.client()
+    kwargs = dict(model=stack.model, messages=CHAT, max_tokens=8, temperature=0)
+    full = client.chat.completions.create(**kwargs)
+    assert full.id.startswith("chatcmpl-") and full.object == "chat.completion"
+    message = full.choices[0].message
+    assert message.role == "assistant" and message.content
+    assert full.choices[0].finish_reason in ("stop", "length")
+
+    chunks = list(client.chat.completions.create(**kwargs, stream=True))
+    assert all(c.object == "chat.completion.chunk" for c in chunks)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == message.content
+    assert chunks[-1].choices[0].finish_reason == full.choices[0].finish_reason
+    assert all(c.usage is None for c in chunks)  # no usage chunk unless asked for
+
+
+def test_chat_text_parts_and_max_completion_tokens(stack: Stack) -> None:
+    parts = [{"type": "text", "text": "Name three"}, {"type": "text", "text": "colors."}]
+    answer = stack.client().chat.completions.create(
+        model=stack.model, messages=[{"role": "user", "content": parts}], max_completion_tokens=3, temperature=0,
+        extra_body={"ignore_eos": True})
+    assert answer.usage.completion_tokens == 3 and answer.choices[0].finish_reason == "length"
+
+
+def test_repeated_long_prompt_reports_cached_tokens(stack: Stack) -> None:
+    client = stack.client()
+    first = client.completions.create(model=stack.model, prompt=DOCUMENT, max_tokens=2, temperature=0)
+    assert first.usage.prompt_tokens > 48
+    second = client.completions.create(model=stack.model, prompt=DOCUMENT, max_tokens=2, temperature=0)
+    assert second.usage.prompt_tokens_details.cached_tokens >= 48
+
+
+def test_completion_logprobs(stack: Stack) -> None:
+    answer = stack.client().completions.create(model=stack.model, prompt=PROMPT, max_tokens=4, temperature=0,
+                                                logprobs=2, extra_body={"ignore_eos": True})
+    lp = answer.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == 4
+    assert lp.text_offset[0] == 0
+    assert all(lp.text_offset[i + 1] == lp.text_offset[i] + len(lp.tokens[i]) for i in range(3))
+    for token, logprob, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
+        assert logprob <= 0 and len(top) == 2
+        assert top[token] == pytest.approx(logprob, abs=1e-4)  # greedy picks the likeliest
+
+
+def test_chat_logprobs(stack: Stack) -> None:
+    answer = stack.client().chat.completions.create(model=stack.model, messages=CHAT, max_tokens=4, temperature=0,
+                                                     logprobs=True, top_logprobs=2, extra_body={"ignore_eos": True})
+    content = answer.choices[0].logprobs.content
+    assert len(content) == answer.usage.completion_tokens == 4
+    for entry in content:
+        assert entry.logprob <= 0 and entry.bytes == list(entry.token.encode())
+        assert len(entry.top_logprobs) == 2 and entry.top_logprobs[0].token == entry.token
+
+
+def test_models_lists_the_served_model(stack: Stack) -> None:
+    assert [m.id for m in stack.client().models.list()] == [stack.model]
+
+
+# --- errors ---------------------------------------------------------------------------------------
+
+MESSAGES = {"messages": CHAT}
+BAD_BODIES = {
+    "invalid json": ("/v1/chat/completions", b'{"messages": [', None),
+    "not an object": ("/v1/completions", b"[1, 2]", None),
+    "missing messages": ("/v1/chat/completions", {}, "messages"),
+    "missing prompt": ("/v1/completions", {}, "prompt"),
+    "temperature -1": ("/v1/chat/completions", {**MESSAGES, "temperature": -1}, "temperature"),
+    "temperature a string": ("/v1/completions", {"prompt": PROMPT, "temperature": "0.5"}, "temperature"),
+    "top_p 0": ("/v1/completions", {"prompt": PROMPT, "top_p": 0}, "top_p"),
+    "max_tokens 0": ("/v1/completions", {"prompt": PROMPT, "max_tokens": 0}, "max_tokens"),
+    "max_completion_tokens 0": ("/v1/chat/completions", {**MESSAGES, "max_completion_tokens": 0},
+                                "max_completion_tokens"),
+    "n 2": ("/v1/chat/completions", {**MESSAGES, "n": 2}, "n"),
+    "unknown model": ("/v1/chat/completions", {**MESSAGES, "model": "no-such-model"}, "model"),
+    "message without role": ("/v1/chat/completions", {"messages": [{"content": "hi"}]}, "messages[0].role"),
+    "unknown role": ("/v1/chat/completions", {"messages": [{"role": "robot", "content": "hi"}]}, "messages[0].role"),
+    "image part": ("/v1/chat/completions",
+                   {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
+                   "messages[0].content"),
+    "several prompts": ("/v1/completions", {"prompt": ["a", "b"]}, "prompt"),
+    "top_logprobs 99": ("/v1/chat/completions", {**MESSAGES, "logprobs": True, "top_logprobs": 99}, "top_logprobs"),
+    "stop not strings": ("/v1/completions", {"prompt": PROMPT, "stop": [1]}, "stop[0]"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_BODIES.values()), ids=list(BAD_BODIES))
+def test_bad_body_is_400_naming_the_field(stack: Stack, case: tuple[str, Any, str | None]) -> None:
+    path, body, param = case
+    if isinstance(body, bytes):
+        response = stack.post(path, content=body)
+    else:
+        response = stack.post(path, {"model": stack.model, **body})
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["type"] == "invalid_request_error"
+    assert error["param"] == param
+    assert error["message"].startswith(f"{param}: ") if param else error["message"]
+
+
+def test_api_key_is_required_on_v1_only(stack: Stack) -> None:
+    body = {"model": stack.model, "prompt": PROMPT, "max_tokens": 1}
+    for key in (None, "sk-wrong"):
+        response = stack.post("/v1/completions", body, key=key)
+        assert response.status_code == 401
+        assert response.json()["error"]["code"] == "invalid_api_key"
+    assert stack.get("/v1/models").status_code == 401
+    assert stack.get("/v1/models", key=KEY).status_code == 200
+    with pytest.raises(openai.AuthenticationError):
+        stack.client(api_key="sk-wrong").models.list()
+    for path in ("/healthz", "/readyz", "/metrics"):
+        assert stack.get(path).status_code == 200, path
+
+
+def test_readyz_follows_the_registry(stack: Stack) -> None:
+    assert stack.get("/readyz").status_code == 200
+    stack.loop.run(stack.registry.deregister(stack.info.worker_id, stack.info.epoch))
+    try:
+        assert stack.get("/readyz").status_code == 503
+        response = stack.post("/v1/completions", {"model": stack.model, "prompt": PROMPT, "max_tokens": 1})
+        assert response.status_code == 503 and response.json()["error"]["message"]
+    finally:
+        stack.loop.run(stack.registry.register(stack.info, ttl_s=3600))
+    assert stack.get("/readyz").status_code == 200
+
+
+def test_metrics(stack: Stack) -> None:
+    stack.client().completions.create(model=stack.model, prompt=PROMPT, max_tokens=2)
+    response = stack.get("/metrics")
+    assert response.status_code == 200 and response.headers["content-type"].startswith("text/plain")
+    assert 'kvcascade_requests_total{status="ok"}' in response.text
+    assert "kvcascade_ttft_seconds_count" in response.text
+
+
+# --- clients that leave -------------------------------------------------------------------------
+
+ENDLESS = {"prompt": PROMPT, "max_tokens": 2000, "temperature": 0, "ignore_eos": True}
+
+
+def test_disconnect_mid_stream_frees_the_workers_blocks(stack: Stack) -> None:
+    headers = {"Authorization": f"Bearer {KEY}"}
+    with httpx.Client(timeout=30) as http:
+        with http.stream("POST", f"{stack.base_url}/v1/completions", headers=headers,
+                         json={"model": stack.model, **ENDLESS, "stream": True}) as response:
+            assert response.status_code == 200
+            lines = response.iter_lines()
+            assert next(line for line in lines if line.startswith("data: "))
+            assert stack.engine.stats().kv_blocks_used > 0  # generating, and holding its blocks
+    stack.wait_until_idle(within_s=5)
+
+
+def test_disconnect_while_waiting_for_a_whole_answer_frees_the_blocks(stack: Stack) -> None:
+    with pytest.raises(httpx.ReadTimeout):
+        stack.post("/v1/completions", {"model": stack.model, **ENDLESS}, timeout=1.0)
+    stack.wait_until_idle(within_s=5)
