@@ -17,8 +17,12 @@ def _rotate_heads(base, stride_h, num_heads, c1, c2, s1, s2, offs, d_mask, HALF:
     x2 = tl.load(p1 + HALF, mask=mask, other=0.0)
     dt = x1.dtype
     # Each product and the sum are rounded to x's dtype, as the torch math (and so the model) does.
-    c1, c2, s1, s2 = c1.to(dt).to(tl.float32), c2.to(dt).to(tl.float32), s1.to(dt).to(tl.float32), s2.to(dt).to(tl.float32)
-    x1, x2 = x1.to(tl.float32), x2.to(tl.float32)
+    c1 = c1.to(dt).to(tl.float32)
+    c2 = c2.to(dt).to(tl.float32)
+    s1 = s1.to(dt).to(tl.float32)
+    s2 = s2.to(dt).to(tl.float32)
+    x1 = x1.to(tl.float32)
+    x2 = x2.to(tl.float32)
     o1 = (x1 * c1[None, :]).to(dt).to(tl.float32) + (-x2 * s1[None, :]).to(dt).to(tl.float32)
     o2 = (x2 * c2[None, :]).to(dt).to(tl.float32) + (x1 * s2[None, :]).to(dt).to(tl.float32)
     tl.store(p1, o1.to(dt), mask=mask)

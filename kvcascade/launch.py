@@ -111,17 +111,12 @@ async def start_router(opts: RouterOptions, running: Running, *, registry=None, 
     running.on_stop(lambda: server.stop(5.0))
     log.info("router gRPC on %s (policy %s)", server.address, router.policy.name)
     if opts.http_port is not None:
-        from router.http_api import create_app, serve_http
+        from router.http_api import create_app, http_port, serve_http, stop_http
 
         http_server, task = await serve_http(create_app(router, api_keys=opts.api_keys), opts.host, opts.http_port)
-        running.on_stop(lambda: _stop_http(http_server, task))
-        log.info("router HTTP (OpenAI-style) on http://%s:%d/v1", opts.host, opts.http_port)
+        running.on_stop(lambda: stop_http(http_server, task))
+        log.info("router HTTP (OpenAI-style) on http://%s:%d/v1", opts.host, http_port(http_server))
     return router
-
-
-async def _stop_http(server, task) -> None:
-    server.should_exit = True
-    await task
 
 
 async def wait_for_signal() -> None:

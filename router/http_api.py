@@ -71,14 +71,14 @@ class ApiError(Exception):
         return JSONResponse(self.body(), status_code=self.status, headers=headers)
 
 
-def _from_router(err: RouterError, call: Call | None = None) -> ApiError:
+def _from_router(err: RouterError, call: Call) -> ApiError:
     status = _STATUS.get(err.code, 500)
     if status != 400:
         return ApiError(status, err.message, code=err.code.name.lower())
     name, sep, rest = err.message.partition(":")
     if not sep or not _FIELD.fullmatch(name):
         return ApiError(400, err.message, code="invalid_value")
-    param = call.param(name) if call is not None else name
+    param = call.param(name)
     return ApiError(400, f"{param}:{rest}", param=param, code="invalid_value")
 
 
@@ -228,7 +228,7 @@ async def _collect(messages: AsyncIterator[pb.GenerateResponse]) -> list[pb.Gene
 
 def create_app(router: Router, *, api_keys: Collection[str] = ()) -> FastAPI:
     """An OpenAI-compatible app over ``router``; with ``api_keys``, /v1/* needs one as a bearer token."""
-    keys = [k.encode() for k in api_keys]
+    keys = [k.encode() for k in api_keys if k]
     app = FastAPI(title="kvcascade router", docs_url=None, redoc_url=None, openapi_url=None)
 
     async def authorize(request: Request) -> None:
@@ -288,6 +288,11 @@ def create_app(router: Router, *, api_keys: Collection[str] = ()) -> FastAPI:
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, exc: HTTPException) -> JSONResponse:
         return ApiError(exc.status_code, str(exc.detail)).response()
+
+    @app.exception_handler(Exception)
+    async def internal(request: Request, exc: Exception) -> JSONResponse:
+        # Starlette still logs the traceback; the client gets OpenAI's shape instead of plain text.
+        return ApiError(500, f"internal error: {type(exc).__name__}: {exc}", code="internal").response()
 
     return app
 

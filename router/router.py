@@ -16,6 +16,7 @@ it knew, flags it in metrics and logs, and recovers on its own once Redis answer
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections import defaultdict
@@ -165,15 +166,14 @@ class Router:
     async def route(self, request: pb.GenerateRequest) -> tuple[list[int], list[tuple[Candidate, str]]]:
         """The prompt's tokens and the workers to try, best first."""
         workers = await self.live_workers()
+        if not workers:
+            raise RouterError(grpc.StatusCode.UNAVAILABLE, "no worker is live")
         served = sorted({w.model for w in workers})
         model = request.model or (served[0] if len(served) == 1 else "")
         if not model:
-            raise RouterError(grpc.StatusCode.INVALID_ARGUMENT,
-                              f"model: name one of the served models {served}" if served else "model: no worker is live")
+            raise RouterError(grpc.StatusCode.INVALID_ARGUMENT, f"model: name one of the served models {served}")
         pool = [w for w in workers if w.model == model]
         if not pool:
-            if not served:
-                raise RouterError(grpc.StatusCode.UNAVAILABLE, "no worker is live")
             raise RouterError(grpc.StatusCode.INVALID_ARGUMENT, f"model: unknown model {model!r}; served: {served}")
         tokenizer = await self.tokenizers.get(pool[0].model_source or model)
         ids = await asyncio.to_thread(tokenize, tokenizer, request)
@@ -201,8 +201,10 @@ class Router:
             forward.CopyFrom(request)
             forward.token_ids.ids[:] = ids  # workers get exactly the tokens that were hashed
             timeout = timeout if timeout is not None else self.config.default_timeout_s
-            async for msg in self._stream(forward, order, timeout, start, len(ids)):
-                yield msg
+            # aclosing: a client that leaves cancels the worker call now, not at garbage collection.
+            async with contextlib.aclosing(self._stream(forward, order, timeout, start, len(ids))) as stream:
+                async for msg in stream:
+                    yield msg
         except RouterError as err:
             status = err.code.name.lower()
             raise

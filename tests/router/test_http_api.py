@@ -4,6 +4,8 @@ loopback, the router on the in-memory registry and index, uvicorn on a free port
 
 from __future__ import annotations
 
+import contextlib
+import json
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -38,6 +40,7 @@ DOCUMENT = ("Northwind Outfitters sells hiking and camping gear. Unused items ca
 class Stack:
     loop: LoopThread
     engine: AsyncEngine
+    worker: WorkerServer
     registry: MemoryRegistry
     info: WorkerInfo
     base_url: str
@@ -69,13 +72,14 @@ class Stack:
             time.sleep(0.05)
 
 
-@pytest.fixture(scope="module")
-def stack(smollm2: LLMEngine) -> Iterator[Stack]:
+@contextlib.contextmanager
+def running_stack(smollm2: LLMEngine, **engine_config: Any) -> Iterator[Stack]:
+    """Worker, router and HTTP front on one background loop; the engine reuses the loaded SmolLM2."""
     loop = LoopThread()
 
     async def start():
-        engine = AsyncEngine(LLMEngine(EngineConfig(model="smollm2-135m"), tokenizer=smollm2.tokenizer,
-                                       model=smollm2.model))
+        engine = AsyncEngine(LLMEngine(EngineConfig(model="smollm2-135m", **engine_config),
+                                       tokenizer=smollm2.tokenizer, model=smollm2.model))
         engine.start()
         worker = WorkerServer(engine, "127.0.0.1", 0)
         await worker.start()
@@ -89,13 +93,19 @@ def stack(smollm2: LLMEngine) -> Iterator[Stack]:
 
     engine, worker, registry, info, router, server, task = loop.run(start())
     try:
-        yield Stack(loop, engine, registry, info, f"http://127.0.0.1:{http_port(server)}")
+        yield Stack(loop, engine, worker, registry, info, f"http://127.0.0.1:{http_port(server)}")
     finally:
         loop.run(stop_http(server, task))
         loop.run(router.close())
         loop.run(worker.stop(0))
         engine.shutdown()
         loop.close()
+
+
+@pytest.fixture(scope="module")
+def stack(smollm2: LLMEngine) -> Iterator[Stack]:
+    with running_stack(smollm2) as stack:
+        yield stack
 
 
 # --- the stock openai client ----------------------------------------------------------------------
@@ -277,3 +287,20 @@ def test_disconnect_while_waiting_for_a_whole_answer_frees_the_blocks(stack: Sta
     with pytest.raises(httpx.ReadTimeout):
         stack.post("/v1/completions", {"model": stack.model, **ENDLESS}, timeout=1.0)
     stack.wait_until_idle(within_s=5)
+
+
+def test_worker_dying_mid_stream_ends_it_with_an_error_event(smollm2: LLMEngine) -> None:
+    with running_stack(smollm2, num_kv_blocks=64) as stack, httpx.Client(timeout=30) as http:
+        with http.stream("POST", f"{stack.base_url}/v1/completions", headers={"Authorization": f"Bearer {KEY}"},
+                         json={"model": stack.model, **ENDLESS, "stream": True}) as response:
+            events = (line.removeprefix("data: ") for line in response.iter_lines() if line.startswith("data: "))
+            assert json.loads(next(events))["choices"][0]["text"] is not None
+            stack.loop.run(stack.worker.stop(0))
+            *_, error, done = events
+    assert done == "[DONE]"
+    assert json.loads(error)["error"]["type"] == "service_unavailable"
+
+
+def test_unknown_route_is_an_openai_error(stack: Stack) -> None:
+    response = stack.get("/v1/nothing", key=KEY)
+    assert response.status_code == 404 and response.json()["error"]["message"]

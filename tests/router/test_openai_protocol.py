@@ -16,8 +16,8 @@ def test_unset_fields_stay_unset() -> None:
 
 
 def test_fields_map_onto_the_proto() -> None:
-    body = {"messages": [{"role": "developer", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
-                         {"role": "user", "content": "hi"}],
+    parts = [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]
+    body = {"messages": [{"role": "developer", "content": parts}, {"role": "user", "content": "hi"}],
             "model": "m", "max_completion_tokens": 5, "max_tokens": 9, "temperature": 0, "top_p": 0.5, "seed": 7,
             "stop": "\n", "logprobs": True, "top_logprobs": 3, "top_k": -1, "ignore_eos": True,
             "stop_token_ids": [2], "user": "u", "stream": True, "stream_options": {"include_usage": True}}
