@@ -218,12 +218,15 @@ def _prefill_kernel(
     )
 
 
-def _check_pool(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor) -> int:
+def _check_inputs(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor, context_lens: torch.Tensor
+) -> int:
     """Validates the shared layout assumptions; returns the GQA group size."""
     assert k_cache.shape == v_cache.shape and k_cache.is_contiguous() and v_cache.is_contiguous()
     assert k_cache.dtype == v_cache.dtype == q.dtype, "q and the K/V pool must share a dtype"
     assert q.shape[-1] == k_cache.shape[3] and q.stride(-1) == 1
     assert block_tables.dtype == torch.int32 and block_tables.stride(-1) == 1
+    assert context_lens.dtype == torch.int32 and context_lens.is_contiguous()
     num_heads, num_kv_heads = q.shape[1], k_cache.shape[2]
     assert num_heads % num_kv_heads == 0, "query heads must be a multiple of KV heads"
     return num_heads // num_kv_heads
@@ -257,7 +260,7 @@ def paged_decode_attention(
     num_splits: int | None = None,
 ) -> torch.Tensor:
     check_launchable(q, k_cache, v_cache, block_tables, context_lens)
-    group = _check_pool(q, k_cache, v_cache, block_tables)
+    group = _check_inputs(q, k_cache, v_cache, block_tables, context_lens)
     batch, num_heads, head_dim = q.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
@@ -301,11 +304,12 @@ def paged_prefill_attention(
     scale: float,
 ) -> torch.Tensor:
     check_launchable(q, k_cache, v_cache, block_tables, query_start_loc, context_lens)
-    group = _check_pool(q, k_cache, v_cache, block_tables)
+    group = _check_inputs(q, k_cache, v_cache, block_tables, context_lens)
     num_tokens, _, head_dim = q.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     num_seqs = context_lens.shape[0]
-    assert query_start_loc.dtype == torch.int32 and query_start_loc.shape[0] == num_seqs + 1
+    assert query_start_loc.dtype == torch.int32 and query_start_loc.is_contiguous()
+    assert query_start_loc.shape[0] == num_seqs + 1
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if num_tokens == 0 or num_seqs == 0:
         return out

@@ -195,6 +195,7 @@ class Router:
         """Stream one request's answer from the best worker that takes it."""
         start = time.monotonic()
         status = "ok"
+        finished = False
         try:
             ids, order = await self.route(request)
             forward = pb.GenerateRequest()
@@ -204,12 +205,14 @@ class Router:
             # aclosing: a client that leaves cancels the worker call now, not at garbage collection.
             async with contextlib.aclosing(self._stream(forward, order, timeout, start, len(ids))) as stream:
                 async for msg in stream:
+                    finished = bool(msg.finish_reason)
                     yield msg
         except RouterError as err:
             status = err.code.name.lower()
             raise
         except (asyncio.CancelledError, GeneratorExit):
-            status = "cancelled"
+            # A consumer that stops right after the last message has not cancelled anything.
+            status = "ok" if finished else "cancelled"
             raise
         finally:
             self.metrics.requests.labels(status).inc()
