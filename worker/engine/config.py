@@ -12,7 +12,11 @@ class EngineConfig:
     model: str = "smollm2-135m"  # built-in name, .gguf file, safetensors folder, or dummy:PRESET
     device: str = "cpu"
     dtype: str = "float32"  # float32 | bfloat16 | float16
-    attention_backend: str = "torch"
+    attention_backend: str = "auto"  # auto: triton on CUDA, torch elsewhere
+    cuda_graphs: bool = True  # decode steps replay captured graphs (CUDA only)
+    # CUDA: the share of GPU memory the engine may use; the KV pool gets what the weights and a
+    # warm-up forward at the full token budget leave of it (kv_cache_bytes is then ignored).
+    gpu_memory_utilization: float = 0.9
     block_size: int = DEFAULT_BLOCK_SIZE
     # The KV pool's size in bytes; the pool is allocated once at start.
     kv_cache_bytes: int = 256 * 2**20
@@ -34,5 +38,9 @@ class EngineConfig:
             raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
+        if self.attention_backend == "auto":
+            self.attention_backend = "triton" if self.device.startswith("cuda") else "torch"

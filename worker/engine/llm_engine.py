@@ -19,7 +19,7 @@ from worker.engine.block_manager import BlockManager
 from worker.engine.config import EngineConfig
 from worker.engine.detokenizer import take_text_delta, update_text
 from worker.engine.errors import InvalidRequestError
-from worker.engine.model_runner import DTYPES, ModelRunner, kv_bytes_per_block
+from worker.engine.model_runner import DTYPES, ModelRunner, cuda_kv_blocks, kv_bytes_per_block
 from worker.engine.outputs import EngineStats, RequestOutput, Usage
 from worker.engine.sampling_params import SamplingParams
 from worker.engine.scheduler import ScheduledSeq, Scheduler
@@ -47,20 +47,31 @@ class LLMEngine:
         backend = create_attention_backend(config.attention_backend)
         if model is None:
             torch.manual_seed(config.seed)
-            with torch.device(config.device):
-                model = LlamaForCausalLM(self.model_config, backend)
+            # Parameters are created in the serving dtype on the device (no full-size fp32 copy);
+            # the rotary tables ask for float32 explicitly and stay so.
+            default_dtype = torch.get_default_dtype()
+            torch.set_default_dtype(dtype)
+            try:
+                with torch.device(config.device):
+                    model = LlamaForCausalLM(self.model_config, backend)
+            finally:
+                torch.set_default_dtype(default_dtype)
             if source.kind == "dummy":
                 _init_dummy(model)
             else:
                 model.load_weights(iter_weights(source))
-        self.model = model.to(dtype=dtype).eval()
-        num_blocks = config.num_kv_blocks or config.kv_cache_bytes // kv_bytes_per_block(
-            self.model_config, config.block_size, dtype)
+        self.model = model.eval()
+        if config.num_kv_blocks:
+            num_blocks = config.num_kv_blocks
+        elif config.device.startswith("cuda"):
+            num_blocks = cuda_kv_blocks(config, self.model_config, self.model, backend, self.max_model_len)
+        else:
+            num_blocks = config.kv_cache_bytes // kv_bytes_per_block(self.model_config, config.block_size, dtype)
         if num_blocks < 1:
             raise ValueError(f"kv_cache_bytes={config.kv_cache_bytes} holds no KV block of this model")
         self.block_manager = BlockManager(num_blocks, config.block_size, self.model_id, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_batched_tokens, config.max_num_seqs)
-        self.runner = ModelRunner(config, self.model_config, self.model, backend, num_blocks)
+        self.runner = ModelRunner(config, self.model_config, self.model, backend, num_blocks, self.max_model_len)
         self.requests: dict[str, Sequence] = {}
         self._ids = itertools.count()
         log.info("engine ready: model=%s blocks=%d x %d tokens, max_model_len=%d",
@@ -70,6 +81,8 @@ class LLMEngine:
 
     def tokenize(self, prompt: str | None = None, messages: list[dict] | None = None) -> list[int]:
         """Prompt text or chat messages to token ids, the way the router will do it too."""
+        if self.tokenizer is None:
+            raise InvalidRequestError("prompt", f"{self.model_id} has no tokenizer: send token ids")
         if messages is not None:
             if not messages:
                 raise InvalidRequestError("messages", "must hold at least one message")
@@ -162,7 +175,7 @@ class LLMEngine:
 
     def _stop_reason(self, seq: Sequence, token: int) -> str | None:
         p = seq.params
-        hit_stop_string = update_text(seq, self.tokenizer)
+        hit_stop_string = p.detokenize and self.tokenizer is not None and update_text(seq, self.tokenizer)
         if hit_stop_string or token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_token_ids):
             return "stop"
         if seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.max_model_len:

@@ -25,7 +25,7 @@ def kv_bytes_per_block(model_cfg: ModelConfig, block_size: int, dtype: torch.dty
 
 class ModelRunner:
     def __init__(self, config: EngineConfig, model_cfg: ModelConfig, model: torch.nn.Module,
-                 backend: AttentionBackend, num_blocks: int):
+                 backend: AttentionBackend, num_blocks: int, max_model_len: int):
         self.config = config
         self.model = model
         self.backend = backend
@@ -37,6 +37,13 @@ class ModelRunner:
             (torch.zeros(shape, dtype=dtype, device=self.device), torch.zeros(shape, dtype=dtype, device=self.device))
             for _ in range(model_cfg.num_layers)
         ]
+        self.graphs = None
+        if config.cuda_graphs and self.device.type == "cuda":
+            from worker.engine.cuda_graphs import DecodeGraphs
+
+            self.graphs = DecodeGraphs(model, self.kv_caches, block_size=config.block_size,
+                                       max_model_len=max_model_len, max_batch=config.max_num_seqs,
+                                       num_kv_heads=model_cfg.num_kv_heads, device=self.device)
 
     @torch.inference_mode()
     def run(self, batch: list[ScheduledSeq]) -> list[tuple[int, TokenLogprob | None] | None]:
@@ -60,6 +67,9 @@ class ModelRunner:
                 sample_rows.append(query_start[-1] - 1)
         # The scheduler puts single-token steps first; the backend batches that run as decodes.
         num_decodes = next((i for i, it in enumerate(batch) if it.num_new_tokens != 1), len(batch))
+        if self.graphs is not None and num_decodes == len(batch) and self.graphs.fits(num_decodes):
+            logits = self.graphs.run(input_ids, positions, slots, block_tables, context_lens)
+            return self._sample(batch, logits)
         meta = AttentionMetadata(
             slot_mapping=torch.tensor(slots, dtype=torch.long, device=self.device),
             query_start=query_start,
@@ -74,10 +84,13 @@ class ModelRunner:
         pos_t = torch.tensor(positions, dtype=torch.long, device=self.device)
         with forward_context(meta):
             hidden = self.model(ids, pos_t)
-        results: list[tuple[int, TokenLogprob | None] | None] = [None] * len(batch)
         if not sample_rows:
-            return results
+            return [None] * len(batch)
         logits = self.model.compute_logits(hidden[torch.tensor(sample_rows, device=self.device)])
+        return self._sample(batch, logits)
+
+    def _sample(self, batch: list[ScheduledSeq], logits: torch.Tensor) -> list[tuple[int, TokenLogprob | None] | None]:
+        results: list[tuple[int, TokenLogprob | None] | None] = [None] * len(batch)
         samplers = [item for item in batch if item.samples]
         tokens, logprobs = sample(logits, [s.seq.params for s in samplers], [s.seq.generator for s in samplers])
         it = iter(zip(tokens, logprobs))
@@ -85,3 +98,36 @@ class ModelRunner:
             if item.samples:
                 results[i] = next(it)
         return results
+
+
+@torch.inference_mode()
+def cuda_kv_blocks(config: EngineConfig, model_cfg: ModelConfig, model: torch.nn.Module,
+                   backend: AttentionBackend, max_model_len: int) -> int:
+    """KV blocks that fit in what the weights and a warm-up forward at the full token budget leave
+    of ``gpu_memory_utilization`` x the GPU's memory (the way a serving engine sizes its pool)."""
+    device = torch.device(config.device)
+    dtype = DTYPES[config.dtype]
+    bs = config.block_size
+    tokens = min(config.max_num_batched_tokens, max_model_len)
+    blocks = -(-tokens // bs)
+    shape = (blocks, bs, model_cfg.num_kv_heads, model_cfg.head_dim)
+    caches = [(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+              for _ in range(model_cfg.num_layers)]
+    torch.cuda.synchronize(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    meta = AttentionMetadata(
+        slot_mapping=torch.arange(tokens, device=device), query_start=[0, tokens], context_lens=[tokens],
+        block_tables=[list(range(blocks))], block_size=bs, num_decodes=0, kv_caches=caches)
+    backend.prepare(meta, device)
+    with forward_context(meta):
+        hidden = model(torch.zeros(tokens, dtype=torch.long, device=device), torch.arange(tokens, device=device))
+    rows = min(tokens, config.max_num_seqs)
+    model.compute_logits(hidden[:rows]).float().log_softmax(-1)  # the sampler's largest tensors
+    torch.cuda.synchronize(device)
+    peak = torch.cuda.max_memory_allocated(device)
+    del caches, hidden, meta
+    torch.cuda.empty_cache()
+    _, total = torch.cuda.mem_get_info(device)
+    margin = 512 * 2**20  # CUDA graphs, the allocator's slack
+    budget = int(total * config.gpu_memory_utilization) - peak - margin
+    return max(0, budget // kv_bytes_per_block(model_cfg, bs, dtype))

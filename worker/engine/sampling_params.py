@@ -22,6 +22,7 @@ class SamplingParams:
     ignore_eos: bool = False
     # None: no logprobs; 0: the chosen token's logprob only; N: also the N most likely tokens.
     logprobs: int | None = None
+    detokenize: bool = True  # False: token ids only (no text, no stop strings), saves CPU per token
 
     def validate(self) -> None:
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
@@ -34,6 +35,8 @@ class SamplingParams:
             raise InvalidRequestError("top_k", f"must be >= 0 (0 disables it), got {self.top_k!r}")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
             raise InvalidRequestError("logprobs", f"must be in [0, {MAX_TOP_LOGPROBS}], got {self.logprobs!r}")
+        if self.stop and not self.detokenize:
+            raise InvalidRequestError("stop", "stop strings need detokenize=True")
         if any(not s for s in self.stop):
             raise InvalidRequestError("stop", "stop strings must be non-empty")
         if any(t < 0 for t in self.stop_token_ids):

@@ -157,6 +157,8 @@ def register_attention_backend(cls: type[AttentionBackend]) -> type[AttentionBac
 
 
 def create_attention_backend(name: str) -> AttentionBackend:
+    if name == "triton":
+        import worker.models.triton_backend  # noqa: F401  (registers itself; imports triton lazily)
     try:
         return _BACKENDS[name]()
     except KeyError:

@@ -1,4 +1,8 @@
-"""Building blocks shared by the Llama-family models: RMSNorm, rotary embedding, MLP."""
+"""Building blocks shared by the Llama-family models: RMSNorm, rotary embedding, MLP.
+
+On CUDA tensors each block runs its fused Triton kernel (kernels/); elsewhere the torch code
+below, which is also what those kernels are tested against.
+"""
 
 from __future__ import annotations
 
@@ -20,6 +24,10 @@ class RMSNorm(nn.Module):
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """With ``residual``, adds it first and returns (normed, new residual): one pass, not two."""
+        if x.is_cuda:
+            from kernels import rms_norm
+
+            return rms_norm(x, self.weight, self.eps, residual)
         if residual is not None:
             x = x + residual
             residual = x
@@ -65,6 +73,10 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
         # q: [T, H, D], k: [T, KVH, D]
+        if q.is_cuda:
+            from kernels import rotary_embedding
+
+            return rotary_embedding(positions, q, k, self.cos, self.sin)  # in place, on views of qkv
         cos = self.cos[positions].unsqueeze(1).to(q.dtype)
         sin = self.sin[positions].unsqueeze(1).to(q.dtype)
         return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
@@ -77,5 +89,9 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 class SiluAndMul(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.is_cuda:
+            from kernels import silu_and_mul
+
+            return silu_and_mul(x)
         gate, up = x.chunk(2, dim=-1)
         return F.silu(gate) * up

@@ -96,12 +96,15 @@ def iter_weights(src: ModelSource) -> Iterator[tuple[str, "torch.Tensor"]]:
 
 
 def load_tokenizer(src: ModelSource):
-    """The HF tokenizer (with chat template) for a source; dummy models borrow SmolLM2's."""
+    """The HF tokenizer (with chat template) for a source; None for a dummy model without one."""
     from transformers import AutoTokenizer
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    if src.kind == "dummy":
-        return load_tokenizer(resolve_model("smollm2-135m"))
+    if src.kind == "dummy":  # random weights borrow SmolLM2's tokenizer, when it is installed
+        try:
+            return load_tokenizer(resolve_model("smollm2-135m"))
+        except FileNotFoundError:
+            return None  # token ids only
     if src.kind == "safetensors":
         return AutoTokenizer.from_pretrained(str(src.path), clean_up_tokenization_spaces=False)
     # Building a tokenizer from GGUF metadata takes seconds; keep the converted one on disk,

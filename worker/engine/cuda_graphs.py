@@ -1,0 +1,90 @@
+"""CUDA graphs for decode steps: one graph per batch size, replayed with static input buffers.
+
+A decode step of a small batch is mostly launch overhead (hundreds of small kernels); a graph
+replays them in one go. Graphs are captured for a ladder of sizes up to ``max_batch``; a step with b decodes replays the smallest graph of size >= b, its spare rows
+padded (slot -1: nothing stored; context 0: a zero row). Block tables are as wide as
+``max_model_len`` needs, so one graph serves every context length, and the decode kernel's split
+count is fixed per size at capture (decided from that width, never from device data).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from worker.models.attention import AttentionMetadata, forward_context
+
+
+def graph_sizes(max_batch: int) -> list[int]:
+    """1, 2, 4, 8, then every 8 up to 64, then every 32: padding waste stays small where a step is
+    cheap, and the number of captures (each a compile and a warm-up) stays low."""
+    sizes = [1, 2, 4] + list(range(8, 65, 8)) + list(range(96, max_batch + 1, 32))
+    return sorted({s for s in sizes if s < max_batch} | {max_batch})
+
+
+class DecodeGraphs:
+    def __init__(self, model, kv_caches, *, block_size: int, max_model_len: int, max_batch: int,
+                 num_kv_heads: int, device: torch.device):
+        from kernels import default_num_splits
+
+        self.model = model
+        self.block_size = block_size
+        self.width = -(-max_model_len // block_size)
+        self.sizes = graph_sizes(max_batch)
+        n = max(self.sizes)
+        self.ids = torch.zeros(n, dtype=torch.long, device=device)
+        self.positions = torch.zeros(n, dtype=torch.long, device=device)
+        self.slots = torch.full((n,), -1, dtype=torch.long, device=device)
+        self.tables = torch.zeros(n, self.width, dtype=torch.int32, device=device)
+        self.ctx = torch.zeros(n, dtype=torch.int32, device=device)
+        # Host staging in pinned memory: one async copy per buffer per step.
+        self.h_tables = torch.zeros(n, self.width, dtype=torch.int32).pin_memory()
+        self.h_vec = torch.zeros(3, n, dtype=torch.long).pin_memory()  # ids, positions, slots
+        self.h_ctx = torch.zeros(n, dtype=torch.int32).pin_memory()
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        pool = None
+        for size in sorted(self.sizes, reverse=True):  # largest first: later ones reuse its memory
+            meta = AttentionMetadata(
+                slot_mapping=self.slots[:size], query_start=list(range(size + 1)), context_lens=[0] * size,
+                block_tables=[], block_size=block_size, num_decodes=size, kv_caches=kv_caches,
+                extra={"decode_block_tables": self.tables[:size], "decode_context_lens": self.ctx[:size],
+                       "decode_num_splits": default_num_splits(size, num_kv_heads, self.width * block_size, device)},
+            )
+            with forward_context(meta):
+                for _ in range(2):  # warm up (Triton compiles) outside the capture
+                    model.compute_logits(model(self.ids[:size], self.positions[:size]))
+                torch.cuda.synchronize(device)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool):
+                    logits = model.compute_logits(model(self.ids[:size], self.positions[:size]))
+            pool = graph.pool()
+            self.graphs[size] = (graph, logits)
+
+    def fits(self, num_decodes: int) -> bool:
+        return 0 < num_decodes <= self.sizes[-1]
+
+    def run(self, ids: list[int], positions: list[int], slots: list[int], tables: list[list[int]],
+            context_lens: list[int]) -> torch.Tensor:
+        """Logits [b, vocab] of one decode step of b sequences."""
+        b = len(ids)
+        size = next(s for s in self.sizes if s >= b)
+        vec = self.h_vec.numpy()
+        vec[0, :size] = 0
+        vec[1, :size] = 0
+        vec[2, :size] = -1
+        vec[0, :b], vec[1, :b], vec[2, :b] = ids, positions, slots
+        t = self.h_tables.numpy()
+        t[:size] = 0
+        for i, row in enumerate(tables):
+            t[i, : len(row)] = row
+        c = self.h_ctx.numpy()
+        c[:size] = 0
+        c[:b] = context_lens
+        self.ids[:size].copy_(self.h_vec[0, :size], non_blocking=True)
+        self.positions[:size].copy_(self.h_vec[1, :size], non_blocking=True)
+        self.slots[:size].copy_(self.h_vec[2, :size], non_blocking=True)
+        self.tables[:size].copy_(self.h_tables[:size], non_blocking=True)
+        self.ctx[:size].copy_(self.h_ctx[:size], non_blocking=True)
+        graph, logits = self.graphs[size]
+        graph.replay()
+        return logits[:b]

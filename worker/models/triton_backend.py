@@ -1,0 +1,63 @@
+"""Paged attention through the Triton kernels (kernels/): the GPU path behind the same interface.
+
+Per step, ``prepare`` builds the device tensors once (block tables, context lengths, query
+offsets) from pinned host memory with asynchronous copies; each layer then stores its new K/V
+and runs the split-K decode kernel over the decode rows and the varlen prefill kernel over the
+rest. For CUDA graphs the model runner fills ``meta.extra`` from static buffers itself and sets
+``decode_num_splits`` per captured batch size, so nothing here reads the device or allocates
+data-dependent shapes.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from worker.models.attention import AttentionBackend, AttentionMetadata, register_attention_backend
+
+
+def _to_device(rows: list[list[int]] | list[int], device: torch.device, dtype=torch.int32) -> torch.Tensor:
+    t = torch.tensor(rows, dtype=dtype)
+    if device.type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t
+
+
+def pad_block_tables(tables: list[list[int]], width: int | None = None) -> list[list[int]]:
+    width = width or max((len(t) for t in tables), default=1) or 1
+    return [t + [0] * (width - len(t)) for t in tables]
+
+
+@register_attention_backend
+class TritonAttentionBackend(AttentionBackend):
+    name = "triton"
+
+    def prepare(self, meta: AttentionMetadata, device: torch.device) -> None:
+        nd = meta.num_decodes
+        n = len(meta.context_lens)
+        tables = _to_device(pad_block_tables(meta.block_tables), device)
+        ctx = _to_device(meta.context_lens, device)
+        meta.extra["decode_block_tables"] = tables[:nd]
+        meta.extra["decode_context_lens"] = ctx[:nd]
+        meta.extra["decode_num_splits"] = None  # let the kernel choose
+        if nd < n:
+            qs = meta.query_start
+            meta.extra["prefill_block_tables"] = tables[nd:]
+            meta.extra["prefill_context_lens"] = ctx[nd:]
+            meta.extra["prefill_query_start"] = _to_device([q - qs[nd] for q in qs[nd:]], device)
+
+    def forward(self, q, k, v, k_cache, v_cache, meta, scale):
+        from kernels import paged_decode_attention, paged_prefill_attention, store_kv
+
+        store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        nd = meta.num_decodes
+        extra = meta.extra
+        if "prefill_query_start" not in extra:  # decodes only (the CUDA-graph case)
+            return paged_decode_attention(q, k_cache, v_cache, extra["decode_block_tables"],
+                                          extra["decode_context_lens"], scale, extra["decode_num_splits"])
+        out = torch.empty_like(q)
+        if nd:
+            out[:nd] = paged_decode_attention(q[:nd], k_cache, v_cache, extra["decode_block_tables"],
+                                              extra["decode_context_lens"], scale, extra["decode_num_splits"])
+        out[nd:] = paged_prefill_attention(q[nd:], k_cache, v_cache, extra["prefill_block_tables"],
+                                           extra["prefill_query_start"], extra["prefill_context_lens"], scale)
+        return out
