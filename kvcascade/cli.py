@@ -170,6 +170,13 @@ def build_parser() -> argparse.ArgumentParser:
         description="Send one Generate call and stream the text to stdout; usage goes to stderr.",
     )  # fmt: skip
     _add_generate_flags(generate)
+    from loadtest.cli import add_arguments as add_loadtest_arguments  # argparse only: cheap
+
+    add_loadtest_arguments(commands.add_parser(
+        "loadtest", help="run a load-test scenario against a server (or compare several)",
+        description="Send a scenario's workload (YAML) over gRPC or OpenAI-style HTTP and report TTFT, TPOT, "
+                    "latency, throughput, goodput and cache hits: a table, summary.json and plots in --out.",
+    ))  # fmt: skip
     return parser
 
 
@@ -254,6 +261,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.command == "generate":
         return _generate(args)
+    if args.command == "loadtest":
+        from loadtest.cli import main as loadtest_main
+
+        return loadtest_main(args)
     if args.command != "router":
         from worker.models.loader import resolve_model
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import json
 import types
 import typing
 from dataclasses import dataclass, field
@@ -223,9 +224,10 @@ class Scenario:
         return dataclasses.replace(self, **changes)
 
     def to_dict(self) -> dict[str, Any]:
+        """The scenario as its YAML would give it (lists, not tuples): ``scenario_from_dict`` reads it back."""
         out = dataclasses.asdict(self)
         out["workload"] = {"kind": self.workload.kind, **out["workload"]}
-        return out
+        return json.loads(json.dumps(out))
 
 
 # --- loading -----------------------------------------------------------------------------------------

@@ -23,7 +23,7 @@ def graph_sizes(max_batch: int) -> list[int]:
 
 
 class DecodeGraphs:
-    def __init__(self, model, kv_caches, *, block_size: int, max_model_len: int, max_batch: int,
+    def __init__(self, model, kv_caches, backend, *, block_size: int, max_model_len: int, max_batch: int,
                  num_kv_heads: int, device: torch.device):
         from kernels import default_num_splits
 
@@ -46,7 +46,7 @@ class DecodeGraphs:
         for size in sorted(self.sizes, reverse=True):  # largest first: later ones reuse its memory
             meta = AttentionMetadata(
                 slot_mapping=self.slots[:size], query_start=list(range(size + 1)), context_lens=[0] * size,
-                block_tables=[], block_size=block_size, num_decodes=size, kv_caches=kv_caches,
+                block_tables=[], block_size=block_size, num_decodes=size, kv_caches=kv_caches, backend=backend,
                 extra={"decode_block_tables": self.tables[:size], "decode_context_lens": self.ctx[:size],
                        "decode_num_splits": default_num_splits(size, num_kv_heads, self.width * block_size, device)},
             )

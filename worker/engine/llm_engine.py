@@ -53,7 +53,7 @@ class LLMEngine:
             torch.set_default_dtype(dtype)
             try:
                 with torch.device(config.device):
-                    model = LlamaForCausalLM(self.model_config, backend)
+                    model = LlamaForCausalLM(self.model_config)
             finally:
                 torch.set_default_dtype(default_dtype)
             if source.kind == "dummy":

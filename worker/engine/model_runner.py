@@ -41,7 +41,7 @@ class ModelRunner:
         if config.cuda_graphs and self.device.type == "cuda":
             from worker.engine.cuda_graphs import DecodeGraphs
 
-            self.graphs = DecodeGraphs(model, self.kv_caches, block_size=config.block_size,
+            self.graphs = DecodeGraphs(model, self.kv_caches, backend, block_size=config.block_size,
                                        max_model_len=max_model_len, max_batch=config.max_num_seqs,
                                        num_kv_heads=model_cfg.num_kv_heads, device=self.device)
 
@@ -78,6 +78,7 @@ class ModelRunner:
             block_size=bs,
             num_decodes=num_decodes,
             kv_caches=self.kv_caches,
+            backend=self.backend,
         )
         self.backend.prepare(meta, self.device)
         ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)
@@ -117,7 +118,7 @@ def cuda_kv_blocks(config: EngineConfig, model_cfg: ModelConfig, model: torch.nn
     torch.cuda.reset_peak_memory_stats(device)
     meta = AttentionMetadata(
         slot_mapping=torch.arange(tokens, device=device), query_start=[0, tokens], context_lens=[tokens],
-        block_tables=[list(range(blocks))], block_size=bs, num_decodes=0, kv_caches=caches)
+        block_tables=[list(range(blocks))], block_size=bs, num_decodes=0, kv_caches=caches, backend=backend)
     backend.prepare(meta, device)
     with forward_context(meta):
         hidden = model(torch.zeros(tokens, dtype=torch.long, device=device), torch.arange(tokens, device=device))

@@ -11,7 +11,8 @@ Token layout of one step (T new tokens, B sequences, flattened, decodes first):
     context_len = cached/computed tokens before this step + the new ones (what the query sees)
 
 A backend is chosen by name (``create_attention_backend``); the torch one runs anywhere and is
-the reference the Triton backend is checked against.
+the reference the Triton backend is checked against. The KV pool and the backend travel in the metadata, so a
+model holds no engine state and one loaded model can serve several engines.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ class AttentionMetadata:
     # Per layer (k_cache, v_cache), each [num_blocks, block_size, KVH, D]. The pool travels with the
     # step rather than living in the model, so one loaded model can serve several engines.
     kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
+    backend: "AttentionBackend | None" = None  # likewise: the engine's choice, not the model's
     # Backend-specific tensors built once per step (not once per layer).
     extra: dict[str, object] = field(default_factory=dict)
 
