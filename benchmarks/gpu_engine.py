@@ -211,7 +211,8 @@ def run_hf(args) -> dict:
         torch.cuda.synchronize()
         return time.perf_counter() - t
 
-    for label, kw in (("static", dict(cache_implementation="static")), ("dynamic", {})):
+    modes = () if args.hf_skip_a else (("static", dict(cache_implementation="static")), ("dynamic", {}))
+    for label, kw in modes:
         try:
             for _ in range(2):  # compile / warm up
                 gen(128, **kw)
@@ -220,6 +221,7 @@ def run_hf(args) -> dict:
             res[f"a_tpot_{label}_s"] = (full - one) / 127
         except Exception as exc:  # record, keep going
             res[f"a_tpot_{label}_error"] = f"{type(exc).__name__}: {exc}"[:500]
+        print(json.dumps({k: v for k, v in res.items() if k.startswith("a_")}), flush=True)
 
     if args.hf_requests:
         work = workload_b()[: args.hf_requests]
@@ -250,6 +252,7 @@ def main() -> None:
     ap.add_argument("--max-model-len", type=int, default=4096)
     ap.add_argument("--budget", type=int, default=8192, help="max_num_batched_tokens")
     ap.add_argument("--hf-requests", type=int, default=256, help="requests of workload (b) for transformers")
+    ap.add_argument("--hf-skip-a", action="store_true", help="transformers: only workload (b)")
     args = ap.parse_args()
     res = run_ours(args) if args.part == "ours" else run_hf(args)
     res.update(part=args.part, gpu=torch.cuda.get_device_name(), torch=torch.__version__,
