@@ -201,6 +201,10 @@ def wait(fetch: Callable[[], Snapshot], timeout_s: float, interval_s: float = 5.
 # --- the cluster --------------------------------------------------------------------------------
 
 
+class NoCluster(RuntimeError):
+    """No kubeconfig (or in-cluster service account) to reach a cluster with."""
+
+
 def release_selector(release: str) -> str:
     return f"app.kubernetes.io/instance={release},app.kubernetes.io/part-of=kvcascade"
 
@@ -214,7 +218,11 @@ class ClusterReader:
         try:
             config.load_incluster_config()
         except config.ConfigException:
-            config.load_kube_config(context=context)
+            try:
+                config.load_kube_config(context=context)
+            except config.ConfigException as err:
+                raise NoCluster(f"no Kubernetes cluster to talk to: {err} (set KUBECONFIG, pass --context, "
+                                "or run inside the cluster)") from None
         self.namespace = namespace
         self.api = client.ApiClient()
         self.core = client.CoreV1Api(self.api)
@@ -261,7 +269,11 @@ def main(argv: list[str] | None = None) -> int:
     w.add_argument("--timeout", type=float, default=900.0, help="seconds (default: %(default)s)")
     w.add_argument("--interval", type=float, default=5.0, help="seconds between polls (default: %(default)s)")
     args = parser.parse_args(argv)
-    cluster = ClusterReader(args.namespace, args.context)
+    try:
+        cluster = ClusterReader(args.namespace, args.context)
+    except NoCluster as err:
+        print(err, file=sys.stderr)
+        return 2
     selector = release_selector(args.release)
     ok = wait(lambda: snapshot(cluster.workloads(selector), cluster.pods(selector)), args.timeout, args.interval)
     return 0 if ok else 1

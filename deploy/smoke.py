@@ -198,12 +198,18 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if not args.url and not args.release:
         parser.error("give --release (port-forward through the Kubernetes API) or --url")
+    from deploy.rollout import NoCluster
+
     body = completion_body(args.prompt, args.max_tokens, args.model)
-    key = resolve_api_key(args)
-    if args.url:
-        result = send_url(args.url, body, key, args.timeout)
-    else:
-        result = send_port_forward(args.namespace, args.release, body, key, args.timeout, args.context)
+    try:
+        key = resolve_api_key(args)
+        if args.url:
+            result = send_url(args.url, body, key, args.timeout)
+        else:
+            result = send_port_forward(args.namespace, args.release, body, key, args.timeout, args.context)
+    except (NoCluster, LookupError, OSError, ValueError) as err:  # OSError: refused, reset, timed out
+        print(f"smoke request failed: {err}", file=sys.stderr)
+        return 2 if isinstance(err, NoCluster) else 1
     print(result.summary())
     return 0 if result.ok else 1
 

@@ -29,8 +29,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="folder for summary.json, requests.jsonl and the plots (default: %(default)s)")
     parser.add_argument("--api-key", default=os.environ.get("KVCASCADE_API_KEY"),
                         help="API key to send (default: $KVCASCADE_API_KEY)")
-    parser.add_argument("--max-requests", type=int, help="cap the scenario's max_requests")
-    parser.add_argument("--max-duration", type=float, metavar="SECONDS", help="cap the scenario's max_duration_s")
+    parser.add_argument("--max-requests", type=int, help="override the scenario's max_requests")
+    parser.add_argument("--max-duration", type=float, metavar="SECONDS", help="override the scenario's max_duration_s")
     parser.add_argument("--no-progress", action="store_true", help="no progress line on stderr")
 
 

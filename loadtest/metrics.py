@@ -107,8 +107,6 @@ def summarize(records: Sequence[RequestRecord], slo: Slo, duration_s: float) -> 
     ok = [r for r in records if r.ok]
     cut = sum(r.status == CUT_OFF for r in records)
     errors = Counter(r.status for r in records if not r.ok and r.status != CUT_OFF)
-    tiers = Counter(r.tier for r in ok if r.tier)
-    with_escalation = [r for r in ok if r.escalated is not None]
     workers = Counter(r.worker_id for r in ok if r.worker_id)
     prompt = sum(r.prompt_tokens or 0 for r in ok)
     cached = sum(r.cached_tokens or 0 for r in ok)
@@ -127,9 +125,7 @@ def summarize(records: Sequence[RequestRecord], slo: Slo, duration_s: float) -> 
         "tokens": {"prompt": prompt, "cached": cached, "output": output,
                    "cached_fraction": cached / prompt if prompt else None,
                    "requests_with_cache_hits": sum((r.cached_tokens or 0) > 0 for r in ok)},
-        "tiers": _share(tiers) if tiers else None,
-        "escalation_rate": (sum(bool(r.escalated) for r in with_escalation) / len(with_escalation)
-                            if with_escalation else None),
+        **_cascade(ok),
         "workers": _share(workers) if workers else None,
     }
     tags = sorted({r.tag for r in records if r.tag})
@@ -138,15 +134,18 @@ def summarize(records: Sequence[RequestRecord], slo: Slo, duration_s: float) -> 
     return summary
 
 
+def _cascade(ok: list[RequestRecord]) -> dict[str, Any]:
+    """Tier mix and escalation rate of the successful requests; None when no answer said."""
+    tiers = Counter(r.tier for r in ok if r.tier)
+    with_escalation = [r for r in ok if r.escalated is not None]
+    rate = sum(bool(r.escalated) for r in with_escalation) / len(with_escalation) if with_escalation else None
+    return {"tiers": _share(tiers) if tiers else None, "escalation_rate": rate}
+
+
 def _tag_summary(records: list[RequestRecord]) -> dict[str, Any]:
     ok = [r for r in records if r.ok]
-    with_escalation = [r for r in ok if r.escalated is not None]
-    tiers = Counter(r.tier for r in ok if r.tier)
     return {"sent": len(records), "ok": len(ok),
-            "e2e_p50_s": percentile([r.e2e_s for r in ok if r.e2e_s is not None], 50),
-            "tiers": _share(tiers) if tiers else None,
-            "escalation_rate": (sum(bool(r.escalated) for r in with_escalation) / len(with_escalation)
-                                if with_escalation else None)}
+            "e2e_p50_s": percentile([r.e2e_s for r in ok if r.e2e_s is not None], 50), **_cascade(ok)}
 
 
 def throughput_series(records: Sequence[RequestRecord], bin_s: float = 1.0) -> dict[str, list[float]]:

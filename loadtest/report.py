@@ -88,7 +88,8 @@ def table(scenario: Scenario, summaries: dict[str, dict[str, Any]]) -> str:
     widths += [max(len(r[1][i]) for r in [header, *rows]) for i in range(len(summaries))]
     lines = [f"scenario {scenario.name} (seed {scenario.seed}, {scenario.workload.kind}, {scenario.arrival.kind})"]
     for label, cells in [header, *rows]:
-        lines.append("  ".join([label.ljust(widths[0]), *(c.rjust(w) for c, w in zip(cells, widths[1:]))]))
+        cells = [c.rjust(w) for c, w in zip(cells, widths[1:], strict=True)]
+        lines.append("  ".join([label.ljust(widths[0]), *cells]))
         if label == "":
             lines.append("-" * (sum(widths) + 2 * len(cells)))
     return "\n".join(lines)
@@ -115,8 +116,8 @@ def plot(out_dir: Path, results: list[RunResult]) -> list[Path]:
     import matplotlib.pyplot as plt
 
     cdf, axes = plt.subplots(1, 3, figsize=(15, 4.2))
-    for ax, (label, get) in zip(axes, (("TTFT", lambda r: r.ttft_s), ("TPOT", lambda r: r.tpot_s),
-                                       ("E2E latency", lambda r: r.e2e_s))):
+    latencies = (("TTFT", lambda r: r.ttft_s), ("TPOT", lambda r: r.tpot_s), ("E2E latency", lambda r: r.e2e_s))
+    for ax, (label, get) in zip(axes, latencies, strict=True):
         for res in results:
             xs = sorted(v * 1000 for rec in res.records if rec.ok and (v := get(rec)) is not None)
             if xs:

@@ -215,7 +215,7 @@ class Scenario:
         return self.request_timeout_s or self.max_duration_s
 
     def bounded(self, max_requests: int | None = None, max_duration_s: float | None = None) -> Scenario:
-        """This scenario with tighter bounds (the CLI's --max-requests / --max-duration)."""
+        """This scenario with other bounds (the CLI's --max-requests / --max-duration)."""
         changes: dict[str, Any] = {}
         if max_requests is not None:
             changes["max_requests"] = max_requests

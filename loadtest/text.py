@@ -5,6 +5,7 @@ templates for the easy and hard prompts of a cascade mix."""
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 
 WORDS = """
 the of and to in is was that for on with as by at from this be are have it not or an which
@@ -46,24 +47,24 @@ def sentences(rng: random.Random, n_words: int) -> str:
     return " ".join(out)
 
 
+# Questions with a short, unambiguous answer, and prompts that need reasoning and a long answer.
+_EASY: tuple[Callable[[random.Random], str], ...] = (
+    lambda r: f"What is {r.randint(2, 99)} plus {r.randint(2, 99)}? Answer with the number only.",
+    lambda r: f"What is the capital of {r.choice(COUNTRIES)}? Answer in one word.",
+    lambda r: f"Spell the word '{r.choice(WORDS)}' backwards.",
+    lambda r: f"Is {r.randint(2, 999)} an even number? Answer yes or no.",
+)
+_HARD: tuple[Callable[[random.Random], str], ...] = (
+    lambda r: f"Explain {r.choice(TOPICS)} step by step to a university student, with an example.",
+    lambda r: f"Write a Python function that {r.choice(TASKS)}, then explain its time and memory complexity.",
+    lambda r: "Compare {} and {}: what do they have in common, how do they differ, and why does it matter?".format(
+        *r.sample(TOPICS, 2)),
+)
+
+
 def easy_prompt(rng: random.Random) -> str:
-    """A question with a short, unambiguous answer."""
-    kind = rng.randrange(4)
-    if kind == 0:
-        return f"What is {rng.randint(2, 99)} plus {rng.randint(2, 99)}? Answer with the number only."
-    if kind == 1:
-        return f"What is the capital of {rng.choice(COUNTRIES)}? Answer in one word."
-    if kind == 2:
-        return f"Spell the word '{rng.choice(WORDS)}' backwards."
-    return f"Is {rng.randint(2, 999)} an even number? Answer yes or no."
+    return rng.choice(_EASY)(rng)
 
 
 def hard_prompt(rng: random.Random) -> str:
-    """A prompt that needs reasoning and a long answer."""
-    kind = rng.randrange(3)
-    if kind == 0:
-        return f"Explain {rng.choice(TOPICS)} step by step to a university student, with an example."
-    if kind == 1:
-        return f"Write a Python function that {rng.choice(TASKS)}, then explain its time and memory complexity."
-    a, b = rng.sample(TOPICS, 2)
-    return f"Compare {a} and {b}: what do they have in common, how do they differ, and why does it matter?"
+    return rng.choice(_HARD)(rng)

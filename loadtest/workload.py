@@ -12,8 +12,15 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from loadtest import text
-from loadtest.scenario import (CascadeMixWorkload, FixedWorkload, MultiTurnWorkload, RandomWorkload, Range, Scenario,
-                               SharedPrefixWorkload)
+from loadtest.scenario import (
+    CascadeMixWorkload,
+    FixedWorkload,
+    MultiTurnWorkload,
+    RandomWorkload,
+    Range,
+    Scenario,
+    SharedPrefixWorkload,
+)
 
 
 @dataclass

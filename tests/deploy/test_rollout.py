@@ -89,7 +89,7 @@ def test_pod_problems_name_what_will_not_fix_itself():
         {"metadata": {"name": "demo-kvcascade-router-abc"},
          "status": {"phase": "Pending", "containerStatuses": [
              {"name": "router", "state": {"waiting": {"reason": "ImagePullBackOff",
-                                                      "message": 'Back-off pulling image "kvcascade/router:0.1.0"'}}}]}},
+                                                      "message": 'Back-off pulling image "kvc/router:1"'}}}]}},
         {"metadata": {"name": "demo-kvcascade-redis-0"},
          "status": {"phase": "Pending", "containerStatuses": [
              {"name": "redis", "state": {"waiting": {"reason": "CreateContainerConfigError",
@@ -100,7 +100,7 @@ def test_pod_problems_name_what_will_not_fix_itself():
     ]
     assert pod_problems(pods) == [
         "pod/demo-kvcascade-worker-0: Unschedulable: 0/3 nodes are available: 3 Insufficient nvidia.com/gpu.",
-        'pod/demo-kvcascade-router-abc container router: ImagePullBackOff: Back-off pulling image "kvcascade/router:0.1.0"',
+        'pod/demo-kvcascade-router-abc container router: ImagePullBackOff: Back-off pulling image "kvc/router:1"',
         'pod/demo-kvcascade-redis-0 container redis: CreateContainerConfigError: secret "redis-creds" not found',
     ]
 
@@ -117,13 +117,15 @@ def test_wait_polls_until_ready_and_prints_changes():
     assert wait(lambda: next(snaps), timeout_s=60, interval_s=5, out=printed.append, clock=lambda: now[0],
                 sleep=lambda s: now.__setitem__(0, now[0] + s))
     assert printed[0].startswith("... no Deployment")
-    assert printed[1] == "... Deployment/demo-kvcascade-router: 0/2 replicas available\n... StatefulSet/demo-kvcascade-worker: 0/2 pods ready"
+    assert printed[1].split("\n") == ["... Deployment/demo-kvcascade-router: 0/2 replicas available",
+                                      "... StatefulSet/demo-kvcascade-worker: 0/2 pods ready"]
     assert printed[-1] == "release ready" and len(printed) == 5 and now[0] == 20
 
 
 def test_wait_gives_up_on_timeout_and_on_failure():
-    stuck = snapshot([statefulset(ready=0)], [{"metadata": {"name": "w-0"}, "status": {"conditions": [
-        {"type": "PodScheduled", "status": "False", "reason": "Unschedulable", "message": "no GPU"}]}}][0:1])
+    unschedulable = {"metadata": {"name": "w-0"}, "status": {"conditions": [
+        {"type": "PodScheduled", "status": "False", "reason": "Unschedulable", "message": "no GPU"}]}}
+    stuck = snapshot([statefulset(ready=0)], [unschedulable])
     printed, now = [], [0.0]
     assert not wait(lambda: stuck, timeout_s=30, interval_s=10, out=printed.append, clock=lambda: now[0],
                     sleep=lambda s: now.__setitem__(0, now[0] + s))
@@ -162,3 +164,10 @@ def test_the_selector_finds_every_workload_of_the_chart(variant):
 def test_cli_needs_a_release():
     with pytest.raises(SystemExit):
         main(["wait", "--namespace", "serving"])
+
+
+def test_without_a_cluster_it_says_so(monkeypatch, tmp_path, capsys):
+    monkeypatch.setenv("KUBECONFIG", str(tmp_path / "none"))
+    monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
+    assert main(["wait", "--release", RELEASE]) == 2
+    assert "no Kubernetes cluster to talk to" in capsys.readouterr().err

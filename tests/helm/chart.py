@@ -97,10 +97,12 @@ class Rendered:
                 for group, node_type, template in groups:
                     labels = {**template["metadata"]["labels"], "ray.io/cluster": name, "ray.io/node-type": node_type,
                               "ray.io/group": "headgroup" if node_type == "head" else group}
-                    yield f"RayCluster/{name}/{group}", {**template, "metadata": {**template["metadata"], "labels": labels}}
+                    metadata = {**template["metadata"], "labels": labels}
+                    yield f"RayCluster/{name}/{group}", {**template, "metadata": metadata}
 
     def pods(self, component: str) -> list[Obj]:
-        return [t for _, t in self.pod_templates() if t["metadata"]["labels"]["app.kubernetes.io/component"] == component]
+        return [t for _, t in self.pod_templates()
+                if t["metadata"]["labels"]["app.kubernetes.io/component"] == component]
 
     def container(self, component: str) -> Obj:
         """The first container of the pods of ``component`` (router, worker, redis, ray-head)."""
@@ -136,3 +138,38 @@ def args_after_script(container: Obj) -> list[str]:
     if container["command"][:2] == ["/bin/bash", "-c"]:
         return container["args"][2:]
     return container["args"]
+
+
+def matches(selector: Obj, labels: dict[str, str]) -> bool:
+    """A LabelSelector (or a Service's plain selector map) against labels."""
+    if "matchLabels" not in selector and "matchExpressions" not in selector:
+        selector = {"matchLabels": selector}
+    if any(labels.get(k) != v for k, v in (selector.get("matchLabels") or {}).items()):
+        return False
+    for expr in selector.get("matchExpressions") or []:
+        key, op, values = expr["key"], expr["operator"], expr.get("values", [])
+        ok = {"In": labels.get(key) in values, "NotIn": labels.get(key) not in values,
+              "Exists": key in labels, "DoesNotExist": key not in labels}[op]
+        if not ok:
+            return False
+    return True
+
+
+def container_ports(template: Obj) -> dict[str, int]:
+    return {p["name"]: p["containerPort"] for c in template["spec"]["containers"] for p in c.get("ports", [])}
+
+
+def containers(rendered: Rendered) -> Iterator[tuple[str, Obj, Obj]]:
+    """(owner, pod template, container) for every container, init containers included."""
+    for owner, template in rendered.pod_templates():
+        for c in template["spec"].get("initContainers", []) + template["spec"]["containers"]:
+            yield owner, template, c
+
+
+def env_of(container: Obj) -> dict[str, Obj]:
+    return {e["name"]: e for e in container.get("env", [])}
+
+
+def flag(args: list[str], name: str) -> str | None:
+    """The value after ``name`` in an argument list."""
+    return args[args.index(name) + 1] if name in args else None

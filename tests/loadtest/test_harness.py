@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -21,6 +20,7 @@ import httpx
 import pytest
 import yaml
 
+from deploy.local import free_port
 from kvcascade.cli import main as kvcascade_main
 from loadtest.clients import Target, parse_target
 from loadtest.metrics import CUT_OFF, summarize
@@ -33,20 +33,21 @@ pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[2]
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @dataclass
 class Serve:
     grpc: Target
     http: Target
 
-    def running(self) -> int:
+    def idle_within(self, seconds: float) -> bool:
+        """Whether the server soon runs no request: cancelled ones are freed, not left generating."""
+        deadline = time.monotonic() + seconds
         with grpc.insecure_channel(self.grpc.address) as ch:
-            return pb_grpc.KVCascadeStub(ch).Stats(pb.StatsRequest(), timeout=5).running
+            stub = pb_grpc.KVCascadeStub(ch)
+            while stub.Stats(pb.StatsRequest(), timeout=5).running:
+                if time.monotonic() > deadline:
+                    return False
+                time.sleep(0.1)
+        return True
 
 
 @pytest.fixture(scope="module")
@@ -192,7 +193,12 @@ def test_the_time_bound_stops_a_run(serve: Serve, protocol: str) -> None:
     assert summary["requests"]["sent"] < 1000 and summary["requests"]["cut_off"] == 2  # 512 tokens take longer
     assert summary["requests"]["errors"] == 0
     assert all(r.status == CUT_OFF and r.e2e_s is None for r in result.records if not r.ok)
-    deadline = time.monotonic() + 10  # the cut-off requests were cancelled on the server too
-    while serve.running() and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert serve.running() == 0
+    assert serve.idle_within(10)  # the cut-off requests were cancelled on the server too
+
+
+def test_a_slow_request_times_out_and_is_cancelled(serve: Serve) -> None:
+    s = scenario(max_requests=1, request_timeout_s=0.5, sampling={"max_tokens": 512},
+                 workload={"kind": "random", "prompt_words": 8})
+    (rec,) = go(s, serve.grpc).records
+    assert rec.status == "timeout" and rec.e2e_s is None
+    assert serve.idle_within(10)

@@ -7,8 +7,7 @@ import random
 import numpy as np
 import pytest
 
-from loadtest.metrics import (CUT_OFF, RequestRecord, goodput, meets, percentile, summarize,
-                              throughput_series)
+from loadtest.metrics import CUT_OFF, RequestRecord, goodput, meets, percentile, summarize, throughput_series
 from loadtest.scenario import Slo
 
 
