@@ -207,9 +207,9 @@ async def _run(args: argparse.Namespace) -> None:
                 # The embedded worker listens on a free loopback port; clients use the router's.
                 await start_worker(engine_config(args), WorkerOptions(host="127.0.0.1", port=0), running,
                                    registry=registry, index=index, grace_s=args.grace_period)
-                await start_router(ropts, running, registry=registry, index=index)
+                await start_router(ropts, running, registry=registry, index=index, grace_s=args.grace_period)
             else:
-                await start_router(ropts, running)
+                await start_router(ropts, running, grace_s=args.grace_period)
         logger.info("kvcascade %s ready", args.command)
         await wait_for_signal()
         logger.info("shutting down (grace period %.1fs)", args.grace_period)

@@ -93,7 +93,7 @@ async def start_worker(config: EngineConfig, opts: WorkerOptions, running: Runni
     return server
 
 
-async def start_router(opts: RouterOptions, running: Running, *, registry=None, index=None):
+async def start_router(opts: RouterOptions, running: Running, *, registry=None, index=None, grace_s: float = 5.0):
     """Start the router's gRPC (and HTTP) fronts. Returns the Router."""
     from router.grpc_api import RouterServer
     from router.router import Router, RouterConfig
@@ -108,7 +108,7 @@ async def start_router(opts: RouterOptions, running: Running, *, registry=None, 
     running.on_stop(sweeper.cancel)
     server = RouterServer(router, opts.host, opts.port, api_keys=opts.api_keys)
     await server.start()
-    running.on_stop(lambda: server.stop(5.0))
+    running.on_stop(lambda: server.stop(grace_s))
     log.info("router gRPC on %s (policy %s)", server.address, router.policy.name)
     if opts.http_port is not None:
         from router.http_api import create_app, http_port, serve_http, stop_http
