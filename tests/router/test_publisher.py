@@ -7,7 +7,7 @@ import asyncio
 import pytest
 
 from protos.block_hash import block_hashes
-from router.memory_state import MemoryPrefixIndex, MemoryRegistry
+from router.state import connect_state
 from worker.engine.async_engine import AsyncEngine
 from worker.engine.sampling_params import SamplingParams
 from worker.registration import WorkerPublisher
@@ -24,6 +24,12 @@ async def held_blocks(index, model, ids, workers) -> dict[str, int]:
     return await index.match(model, block_hashes(ids, 16, model), workers)
 
 
+@pytest.fixture(params=["memory", "redis"])
+def state_url(request):
+    """None: in-memory state; else a real redis-server on loopback (flushed)."""
+    return None if request.param == "memory" else request.getfixturevalue("redis_url")
+
+
 @pytest.fixture
 def small_engine(make_engine):
     # 12 blocks of 16 tokens: three 64-token prompts fill it, a fourth evicts the oldest.
@@ -33,9 +39,9 @@ def small_engine(make_engine):
     engine.shutdown()
 
 
-def test_stored_and_evicted_blocks_reach_the_index(small_engine):
+def test_stored_and_evicted_blocks_reach_the_index(small_engine, state_url):
     async def scenario():
-        registry, index = MemoryRegistry(), MemoryPrefixIndex()
+        registry, index = connect_state(state_url, "kvc-pub:")
         pub = WorkerPublisher(small_engine, registry, index, worker_id="w", address="127.0.0.1:1",
                               model_source="smollm2-135m", heartbeat_s=0.1, event_interval_s=0.01)
         await pub.start()
@@ -60,15 +66,16 @@ def test_stored_and_evicted_blocks_reach_the_index(small_engine):
         await pub.stop()
         assert (await registry.live_workers()) == []
         assert await index.indexed_workers() == set()
+        await registry.aclose()
 
     asyncio.run(scenario())
 
 
-def test_a_new_publisher_resyncs_what_the_engine_already_caches(small_engine):
+def test_a_new_publisher_resyncs_what_the_engine_already_caches(small_engine, state_url):
     async def scenario():
         ids = [7] * 40
         await run_one(small_engine, ids)
-        registry, index = MemoryRegistry(), MemoryPrefixIndex()
+        registry, index = connect_state(state_url, "kvc-pub:")
         pub = WorkerPublisher(small_engine, registry, index, worker_id="w", address="127.0.0.1:1",
                               model_source="smollm2-135m", heartbeat_s=0.1, event_interval_s=0.01)
         await pub.start()
@@ -77,6 +84,7 @@ def test_a_new_publisher_resyncs_what_the_engine_already_caches(small_engine):
         [info] = await registry.live_workers()
         assert info.load.kv_blocks_total == 12 and info.model_source == "smollm2-135m"
         await pub.stop()
+        await registry.aclose()
 
     asyncio.run(scenario())
 
