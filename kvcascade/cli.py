@@ -133,6 +133,10 @@ def _add_router_flags(parser: argparse.ArgumentParser) -> None:
                        help="how to pick a worker (default: %(default)s)")
     group.add_argument("--api-key", action="append", default=[], dest="api_keys",
                        help="require this API key (repeatable; also KVCASCADE_API_KEYS, comma-separated)")
+    group.add_argument("--cascade", metavar="FILE",
+                       help="answer with a small model first, escalating by confidence, as this YAML file says "
+                            "(deploy/cascade.example.yaml); re-read when it changes. serve starts one worker per "
+                            "model the file names (so no --model)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -198,15 +202,17 @@ async def _run(args: argparse.Namespace) -> None:
         else:
             ropts = RouterOptions(host=args.host, port=args.port, http_port=args.http_port,
                                   redis_url=args.redis_url, policy=args.policy,
-                                  api_keys=[*args.api_keys, *api_keys_from_env()], key_prefix=args.key_prefix)
+                                  api_keys=[*args.api_keys, *api_keys_from_env()], key_prefix=args.key_prefix,
+                                  cascade=args.cascade)
             if args.command == "serve":
                 from router.state import connect_state
 
                 registry, index = connect_state(args.redis_url, args.key_prefix)
                 running.on_stop(registry.aclose)
-                # The embedded worker listens on a free loopback port; clients use the router's.
-                await start_worker(engine_config(args), WorkerOptions(host="127.0.0.1", port=0), running,
-                                   registry=registry, index=index, grace_s=args.grace_period)
+                # The embedded workers listen on free loopback ports; clients use the router's.
+                for config in _serve_engine_configs(args):
+                    await start_worker(config, WorkerOptions(host="127.0.0.1", port=0), running,
+                                       registry=registry, index=index, grace_s=args.grace_period)
                 await start_router(ropts, running, registry=registry, index=index, grace_s=args.grace_period)
             else:
                 await start_router(ropts, running, grace_s=args.grace_period)
@@ -216,6 +222,16 @@ async def _run(args: argparse.Namespace) -> None:
     finally:
         await running.stop()
     logger.info("stopped")
+
+
+def _serve_engine_configs(args: argparse.Namespace) -> list[EngineConfig]:
+    """One engine per embedded worker: the --model one, or with --cascade one per model it names."""
+    if not args.cascade:
+        return [engine_config(args)]
+    from router.cascade_config import load_cascade
+
+    base = engine_config(args)
+    return [dataclasses.replace(base, model=model) for model in load_cascade(args.cascade).models]
 
 
 # --- generate ---------------------------------------------------------------------------------
@@ -265,14 +281,24 @@ def main(argv: list[str] | None = None) -> int:
         from loadtest.cli import main as loadtest_main
 
         return loadtest_main(args)
+    if args.command == "serve" and args.cascade and hasattr(args, "model"):
+        parser.error("serve --cascade starts one worker per model the cascade file names: leave out --model")
     if args.command != "router":
         from worker.models.loader import resolve_model
 
-        try:
-            resolve_model(engine_config(args).model)  # check the flags before loading anything
-        except (ValueError, FileNotFoundError) as err:
+        try:  # check the flags (and the cascade file) before loading anything
+            for config in _serve_engine_configs(args) if args.command == "serve" else [engine_config(args)]:
+                resolve_model(config.model)
+        except (ValueError, FileNotFoundError) as err:  # CascadeConfigError is a ValueError
             parser.error(str(err))
-    elif not args.redis_url:
+    elif args.cascade:
+        from router.cascade_config import load_cascade
+
+        try:
+            load_cascade(args.cascade)
+        except ValueError as err:
+            parser.error(str(err))
+    if args.command == "router" and not args.redis_url:
         parser.error("router needs --redis-url: that is where workers register (kvcascade serve runs "
                      "router and worker in one process without Redis)")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")

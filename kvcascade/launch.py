@@ -41,6 +41,7 @@ class RouterOptions:
     policy: str = "prefix_aware"
     api_keys: Collection[str] = ()
     key_prefix: str = "kvc:"
+    cascade: str | None = None  # a cascade file (router/cascade_config.py), re-read when it changes
 
 
 class Running:
@@ -102,7 +103,16 @@ async def start_router(opts: RouterOptions, running: Running, *, registry=None, 
     if registry is None:
         registry, index = connect_state(opts.redis_url, opts.key_prefix)
         running.on_stop(registry.aclose)
-    router = Router(registry, index, RouterConfig(policy=opts.policy))
+    cascade = None
+    if opts.cascade:
+        from router.cascade_config import CascadeFile
+
+        cascade = CascadeFile(opts.cascade)  # a bad file fails the start, naming key and line
+        watcher = asyncio.create_task(cascade.watch(), name="cascade-watcher")
+        running.on_stop(watcher.cancel)
+        log.info("cascade from %s: tiers %s, mode %s", opts.cascade,
+                 [f"{t.name}={t.model}" for t in cascade.config.tiers], cascade.config.mode)
+    router = Router(registry, index, RouterConfig(policy=opts.policy), cascade=cascade)
     running.on_stop(router.close)
     sweeper = asyncio.create_task(router.run_sweeper(), name="index-sweeper")
     running.on_stop(sweeper.cancel)

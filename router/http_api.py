@@ -189,10 +189,13 @@ async def _model_and_tokenizer(router: Router, call: Call) -> tuple[str, Any]:
     if model and not call.wants_logprobs:
         return model, None
     workers = await router.live_workers()
+    cascade = router.cascade_config
     if not model:
         served = sorted({w.model for w in workers})
-        model = served[0] if len(served) == 1 else ""  # else Router.generate names the choices
-    pool = [w for w in workers if w.model == model]
+        model = cascade.name if cascade else served[0] if len(served) == 1 else ""  # else Router.generate names them
+    # A cascade's tiers share one tokenizer (one family), so the first tier's serves for logprobs.
+    source = cascade.tiers[0].model if cascade and model == cascade.name else model
+    pool = [w for w in workers if w.model == source]
     if not call.wants_logprobs or not pool:
         return model, None
     return model, await router.tokenizers.get(pool[0].model_source or model)

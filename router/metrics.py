@@ -30,6 +30,25 @@ class RouterMetrics:
         self.worker_kv_free = Gauge("kvcascade_worker_kv_blocks_free", "Free KV blocks per worker", ["worker"],
                                     registry=r)
         self.workers_live = Gauge("kvcascade_workers_live", "Workers with a live heartbeat", registry=r)
+        # The cascade (router/cascade.py). Escalation rate of a tier:
+        # decisions{outcome="escalate"} / decisions, both per tier.
+        self.cascade_decisions = Counter("kvcascade_cascade_decisions", "Judged cascade trials by tier and outcome "
+                                         "(accept, escalate)", ["tier", "outcome"], registry=r)
+        self.cascade_escalations = Counter("kvcascade_cascade_escalations", "Escalations away from a tier by reason "
+                                           "(confidence, limit, error, unavailable)", ["tier", "reason"], registry=r)
+        self.cascade_answers = Counter("kvcascade_cascade_answers", "Cascade requests by the tier that answered",
+                                       ["tier", "escalated"], registry=r)
+        self.cascade_tokens = Counter("kvcascade_cascade_tokens", "Tokens generated per tier: kept (sent to the "
+                                      "client) or discarded (an escalated trial)", ["tier", "outcome"], registry=r)
+        self.cascade_tier_seconds = Histogram("kvcascade_cascade_tier_seconds", "Time a tier took, from its call "
+                                              "to its answer or its escalation", ["tier"],
+                                              buckets=_LATENCY_BUCKETS, registry=r)
+        self.cascade_confidence = Histogram("kvcascade_cascade_confidence", "Confidence of judged trials (the "
+                                            "tier's measure)", ["tier"],
+                                            buckets=(-5, -2, -1, -0.5, -0.25, -0.1, 0, 0.25, 0.5, 0.75, 0.9, 1, 2, 5),
+                                            registry=r)
+        self.cascade_reloads = Counter("kvcascade_cascade_reloads", "Changed cascade files by result (ok; error: "
+                                       "refused, the previous one kept)", ["result"], registry=r)
         self.state_up.set(1)
 
     def render(self) -> bytes:

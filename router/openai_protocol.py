@@ -65,6 +65,9 @@ class _Request(BaseModel):
     top_k: Int32 | None = None  # -1 (vLLM's "off") or 0 disables the cut
     ignore_eos: bool | None = None
     stop_token_ids: list[TokenId] | None = None
+    # Cascade extensions (router --cascade): false skips it; a tier name pins that tier.
+    cascade: bool | None = None
+    tier: str | None = None
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -205,6 +208,7 @@ def completion_call(body: CompletionRequest) -> Call:
         request.text = body.prompt
     else:
         request.token_ids.ids[:] = body.prompt
+    _cascade_fields(request, body)
     aliases = {"text": "prompt", "token_ids": "prompt", "prompt_token_ids": "prompt"}
     return Call("completion", request, body.stream, _include_usage(body), aliases, rid)
 
@@ -220,9 +224,17 @@ def chat_call(body: ChatRequest) -> Call:
     for m in body.messages:
         # "developer" is OpenAI's newer name for the system turn; chat templates know only "system".
         request.messages.messages.add(role="system" if m.role == "developer" else m.role, content=m.content)
+    _cascade_fields(request, body)
     aliases = {"max_tokens": max_name, "logprobs": "top_logprobs", "prompt": "messages",
                "text": "messages", "token_ids": "messages", "prompt_token_ids": "messages"}
     return Call("chat", request, body.stream, _include_usage(body), aliases, rid)
+
+
+def _cascade_fields(request: pb.GenerateRequest, body: _Request) -> None:
+    if body.cascade is False:
+        request.cascade = pb.CASCADE_OFF
+    if body.tier:
+        request.tier = body.tier
 
 
 def _include_usage(body: _Request) -> bool:
@@ -268,7 +280,7 @@ class Answer:
             choice["text"] = text
         choice["logprobs"] = self._logprobs(messages)
         choice["finish_reason"] = last.finish_reason or None
-        return {**self._head(chunk=False), "choices": [choice], "usage": usage(last.usage)}
+        return {**self._head(chunk=False), "choices": [choice], "usage": usage(last.usage), **_cascade(last)}
 
     def first_chunk(self) -> dict[str, Any] | None:
         """Chat streams open with the assistant's role, as OpenAI's do."""
@@ -289,7 +301,7 @@ class Answer:
             choice["text"] = msg.text
         choice["logprobs"] = logprobs
         choice["finish_reason"] = msg.finish_reason or None
-        return self._chunk(choice)
+        return {**self._chunk(choice), **_cascade(msg)}
 
     def usage_chunk(self, u: pb.Usage) -> dict[str, Any]:
         return {**self._head(chunk=True), "choices": [], "usage": usage(u)}
@@ -330,3 +342,11 @@ class Answer:
             return {"token": token, "logprob": logprob, "bytes": list(token.encode())}
 
         return {**entry(lp.token_id, lp.logprob), "top_logprobs": [entry(t.token_id, t.logprob) for t in lp.top]}
+
+
+def _cascade(msg: pb.GenerateResponse) -> dict[str, Any]:
+    """Extension fields of a cascade's answer: the tier that answered, whether it escalated, and
+    (on the last message, where it is known) that tier's confidence. Nothing without a cascade."""
+    if not msg.tier:
+        return {}
+    return {"tier": msg.tier, "escalated": msg.escalated, "confidence": msg.confidence if msg.finish_reason else None}

@@ -7,6 +7,9 @@ GenerateRequest and get the worker's GenerateResponse messages back, or a Router
             -> registry.live_workers + index.match (one round trip each)
             -> policy.order -> first worker that answers -> stream
 
+With a cascade file (router/cascade.py), a request for the cascade runs through its tiers, each
+tier's answer coming from this same path (``_answer``) for that tier's model.
+
 A worker that fails before its first token is skipped for the next one in the policy's order;
 one that fails after it ends the stream with UNAVAILABLE (tokens already sent cannot be replayed).
 When Redis is unreachable the router keeps serving with load-only routing on the last workers
@@ -27,6 +30,9 @@ import grpc
 
 from protos import kvcascade_pb2 as pb
 from protos.block_hash import block_hashes
+from router.cascade import plan as cascade_plan
+from router.cascade import run_cascade
+from router.cascade_config import CascadeConfig, CascadeFile
 from router.errors import RouterError
 from router.metrics import RouterMetrics
 from router.policy import Candidate, RoutingPolicy, create_policy
@@ -92,7 +98,8 @@ def tokenize(tokenizer, request: pb.GenerateRequest) -> list[int]:
 
 class Router:
     def __init__(self, registry: Registry, index: PrefixIndex, config: RouterConfig | None = None,
-                 policy: RoutingPolicy | None = None, metrics: RouterMetrics | None = None):
+                 policy: RoutingPolicy | None = None, metrics: RouterMetrics | None = None,
+                 cascade: CascadeFile | None = None):
         self.config = config or RouterConfig()
         self.registry = registry
         self.index = index
@@ -105,6 +112,13 @@ class Router:
         self.cached_tokens_total = 0
         self._last_workers: list[WorkerInfo] = []
         self._state_ok = True
+        self.cascade = cascade  # None: no cascade; its config may change between requests (reload)
+        if cascade is not None:
+            cascade.on_reload = lambda result: self.metrics.cascade_reloads.labels(result).inc()
+
+    @property
+    def cascade_config(self) -> CascadeConfig | None:
+        return self.cascade.config if self.cascade is not None else None
 
     # --- state, with the Redis-down fallback ----------------------------------------------------
 
@@ -156,7 +170,10 @@ class Router:
             await self.sweep()
 
     async def models(self) -> list[str]:
-        return sorted({w.model for w in await self.live_workers()})
+        served = {w.model for w in await self.live_workers()}
+        if (cascade := self.cascade_config) is not None and set(cascade.models) <= served:
+            served.add(cascade.name)
+        return sorted(served)
 
     async def ready(self) -> bool:
         return bool(await self.live_workers())
@@ -192,18 +209,17 @@ class Router:
 
     async def generate(self, request: pb.GenerateRequest, timeout: float | None = None
                        ) -> AsyncIterator[pb.GenerateResponse]:
-        """Stream one request's answer from the best worker that takes it."""
-        start = time.monotonic()
+        """Stream one request's answer: through the cascade when it takes the request (a snapshot of
+        its configuration, so a reload never changes a request under way), else from the best worker."""
         status = "ok"
         finished = False
         try:
-            ids, order = await self.route(request)
-            forward = pb.GenerateRequest()
-            forward.CopyFrom(request)
-            forward.token_ids.ids[:] = ids  # workers get exactly the tokens that were hashed
             timeout = timeout if timeout is not None else self.config.default_timeout_s
+            plan = cascade_plan(self.cascade_config, request)
+            answer = (run_cascade(plan, request, self._answer, self.metrics, timeout) if plan is not None
+                      else self._answer(request, timeout))
             # aclosing: a client that leaves cancels the worker call now, not at garbage collection.
-            async with contextlib.aclosing(self._stream(forward, order, timeout, start, len(ids))) as stream:
+            async with contextlib.aclosing(answer) as stream:
                 async for msg in stream:
                     finished = bool(msg.finish_reason)
                     yield msg
@@ -216,6 +232,17 @@ class Router:
             raise
         finally:
             self.metrics.requests.labels(status).inc()
+
+    async def _answer(self, request: pb.GenerateRequest, timeout: float | None) -> AsyncIterator[pb.GenerateResponse]:
+        """One model's answer from the best worker that takes it."""
+        start = time.monotonic()
+        ids, order = await self.route(request)
+        forward = pb.GenerateRequest()
+        forward.CopyFrom(request)
+        forward.token_ids.ids[:] = ids  # workers get exactly the tokens that were hashed
+        async with contextlib.aclosing(self._stream(forward, order, timeout, start, len(ids))) as stream:
+            async for msg in stream:
+                yield msg
 
     async def _stream(self, request, order, timeout, start, prompt_len) -> AsyncIterator[pb.GenerateResponse]:
         last_error: RouterError | None = None

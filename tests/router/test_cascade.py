@@ -1,0 +1,296 @@
+"""The cascade over real parts: two in-process workers on loopback (both SmolLM2, so two tiers of
+the same model test the mechanics), the router with a cascade file, its gRPC and HTTP fronts.
+
+Thresholds that are certainly met (mean_logprob >= -1e9) or certainly not (min_prob >= 1.01)
+make the decision known in advance. Both tiers being the same greedy model, a leak of a thrown-away
+trial would show as text longer than one answer, or as messages tagged with the wrong tier."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import httpx
+import pytest
+
+from protos import kvcascade_pb2 as pb
+from protos import kvcascade_pb2_grpc as pb_grpc
+from router.cascade_config import CascadeConfigError, CascadeFile, parse_cascade
+from router.grpc_api import RouterServer
+from router.http_api import create_app, http_port, serve_http, stop_http
+from router.memory_state import MemoryPrefixIndex, MemoryRegistry
+from router.router import Router
+from router.state import WorkerInfo
+from worker.engine.async_engine import AsyncEngine
+from worker.engine.config import EngineConfig
+from worker.engine.llm_engine import LLMEngine
+from worker.server import WorkerServer
+
+from .loop_thread import LoopThread
+
+MODEL = "smollm2-135m"
+SURE = {"measure": "mean_logprob", "threshold": -1e9}  # always met
+UNSURE = {"measure": "min_prob", "threshold": 1.01}  # never met
+
+
+def cascade_yaml(small: dict, mode: str = "full", window: int | None = None) -> str:
+    lines = [f"mode: {mode}", "tiers:", "  - name: small", f"    model: {MODEL}"]
+    lines += [f"    {k}: {v}" for k, v in small.items()]
+    if window:
+        lines.append(f"    window: {window}")
+    lines += ["  - name: large", f"    model: {MODEL}"]
+    return "\n".join(lines) + "\n"
+
+
+def write(path: Path, text: str) -> None:
+    """Replace the file as a ConfigMap update does: a new file moved into place."""
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+# --- the file -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("text, line, key", [
+    ("tiers:\n  - model: a\n    threshold: -1\n    treshold: 2\n  - model: b\n", 4, "tiers[0].treshold"),
+    ("tiers:\n  - model: a\n    threshold: high\n  - model: b\n", 3, "tiers[0].threshold"),
+    ("tiers:\n  - model: a\n    measure: vibes\n    threshold: 1\n  - model: b\n", 3, "tiers[0].measure"),
+    ("tiers:\n  - model: a\n  - model: b\n", 2, "tiers[0].threshold"),  # missing: the tier's line
+    ("tiers:\n  - model: a\n    threshold: 1\n  - model: b\n    threshold: 1\n", 5, "tiers[1].threshold"),
+    ("mode: early\ntiers:\n  - model: a\n    threshold: 1\n  - model: b\n", 3, "tiers[0].window"),
+    ("tiers:\n  - model: a\n    threshold: 1\n    window: 0\n  - model: b\n", 4, "tiers[0].window"),
+    ("tiers:\n  - {model: a, threshold: 1}\n  - {model: a}\n", 3, "tiers[1].name"),  # used twice
+    ("mode: full\nmode: early\ntiers: []\n", 2, "mode"),  # duplicate key
+    ("name: c\ntiers:\n  - model: a\n    threshold: 1\n", 2, "tiers"),  # one tier is no cascade
+])
+def test_a_bad_file_is_refused_naming_key_and_line(text: str, line: int, key: str) -> None:
+    with pytest.raises(CascadeConfigError) as err:
+        parse_cascade(text, "c.yaml")
+    assert (err.value.line, err.value.key) == (line, key), str(err.value)
+    assert str(err.value).startswith(f"c.yaml:{line}: {key}: ")
+
+
+def test_the_shipped_example_is_valid() -> None:
+    from router.cascade_config import load_cascade
+
+    config = load_cascade(Path(__file__).resolve().parents[2] / "deploy" / "cascade.example.yaml")
+    assert [t.model for t in config.tiers] == ["qwen2.5-coder-0.5b", "qwen2.5-coder-1.5b"]
+
+
+def test_the_cli_refuses_a_bad_file_before_loading_anything(tmp_path, capsys) -> None:
+    from kvcascade.cli import main
+
+    bad = tmp_path / "cascade.yaml"
+    bad.write_text("tiers:\n  - model: smollm2-135m\n    threshold: 1\n  - model: smollm2-135m\n    windw: 3\n")
+    for argv in (["serve", "--cascade", str(bad)], ["router", "--redis-url", "redis://x", "--cascade", str(bad)]):
+        with pytest.raises(SystemExit):
+            main(argv)
+        assert f"{bad}:5: tiers[1].windw: unknown key" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["serve", "--cascade", str(bad), "--model", "smollm2-135m"])
+    assert "leave out --model" in capsys.readouterr().err
+
+
+# --- the stack ----------------------------------------------------------------------------------
+
+
+class Stack:
+    def __init__(self, smollm2: LLMEngine, path: Path):
+        self.path = path
+        write(path, cascade_yaml(SURE))
+        self.loop = LoopThread()
+        self.engines, self.workers = [], []
+
+        async def start():
+            registry = MemoryRegistry()
+            for i in range(2):
+                engine = AsyncEngine(LLMEngine(EngineConfig(model=MODEL), tokenizer=smollm2.tokenizer,
+                                               model=smollm2.model))
+                engine.start()
+                worker = WorkerServer(engine, "127.0.0.1", 0)
+                await worker.start()
+                self.engines.append(engine)
+                self.workers.append(worker)
+                await registry.register(WorkerInfo(worker_id=f"w{i}", epoch="e1", address=f"127.0.0.1:{worker.port}",
+                                                   model=engine.model_id, model_source=MODEL, block_size=16,
+                                                   capacity=64), ttl_s=3600)
+            self.router = Router(registry, MemoryPrefixIndex(), cascade=CascadeFile(path))
+            self.watcher = asyncio.create_task(self.router.cascade.watch(poll_s=0.2))
+            self.server = RouterServer(self.router, "127.0.0.1", 0)
+            await self.server.start()
+            self.http, self.http_task = await serve_http(create_app(self.router), "127.0.0.1", 0)
+
+        self.loop.run(start())
+        self.channel = grpc.insecure_channel(self.server.address)
+        self.stub = pb_grpc.KVCascadeStub(self.channel)
+        self.base_url = f"http://127.0.0.1:{http_port(self.http)}"
+
+    def use(self, text: str) -> None:
+        """Switch the cascade now (the watcher would within its poll)."""
+        write(self.path, text)
+        async def check() -> None:  # on the router's loop, like the watcher
+            self.router.cascade.check()
+
+        self.loop.run(check())
+        assert self.router.cascade.config == parse_cascade(text)
+
+    def ask(self, req: pb.GenerateRequest) -> list[pb.GenerateResponse]:
+        return list(self.stub.Generate(req, timeout=60))
+
+    def metric(self, name: str, **labels: str) -> float:
+        return self.router.metrics.registry.get_sample_value(name, labels) or 0.0
+
+    def wait_until_idle(self, within_s: float = 5.0) -> None:
+        deadline = time.monotonic() + within_s
+        while any(e.stats().running or e.stats().kv_blocks_used for e in self.engines):
+            assert time.monotonic() < deadline, [e.stats() for e in self.engines]
+            time.sleep(0.05)
+
+    def close(self) -> None:
+        self.channel.close()
+        self.loop.run(stop_http(self.http, self.http_task))
+        self.loop.loop.call_soon_threadsafe(self.watcher.cancel)
+        self.loop.run(self.server.stop(0))
+        self.loop.run(self.router.close())
+        for w in self.workers:
+            self.loop.run(w.stop(0))
+        for e in self.engines:
+            e.shutdown()
+        self.loop.close()
+
+
+@pytest.fixture(scope="module")
+def stack(smollm2: LLMEngine, tmp_path_factory) -> Iterator[Stack]:
+    s = Stack(smollm2, tmp_path_factory.mktemp("cascade") / "cascade.yaml")
+    try:
+        yield s
+    finally:
+        s.close()
+
+
+def request(model: str = "", max_tokens: int = 8, **fields) -> pb.GenerateRequest:
+    req = pb.GenerateRequest(model=model, sampling=pb.SamplingParams(max_tokens=max_tokens, temperature=0,
+                                                                      ignore_eos=True), **fields)
+    req.messages.messages.add(role="user", content="What is the capital of France?")
+    return req
+
+
+def text(msgs: list[pb.GenerateResponse]) -> str:
+    return "".join(m.text for m in msgs)
+
+
+@pytest.fixture(scope="module")
+def plain(stack: Stack) -> list[pb.GenerateResponse]:
+    """The model's own answer, without the cascade (the request names the model)."""
+    return stack.ask(request(MODEL, max_tokens=24))
+
+
+# --- behaviour ----------------------------------------------------------------------------------
+
+
+def test_a_sure_first_tier_answers_without_escalating(stack: Stack, plain) -> None:
+    stack.use(cascade_yaml(SURE))
+    msgs = stack.ask(request(max_tokens=24))
+    assert text(msgs) == text(plain) and msgs[-1].usage.completion_tokens == 24
+    assert {(m.tier, m.escalated) for m in msgs} == {("small", False)}
+    assert -20 < msgs[-1].confidence <= 0  # a mean logprob
+    assert not any(m.logprobs for m in msgs)  # used by the router, not asked for by the client
+    assert stack.metric("kvcascade_cascade_decisions_total", tier="small", outcome="accept") >= 1
+
+
+@pytest.mark.parametrize("mode", ["full", "early"])
+def test_an_unsure_first_tier_escalates_and_the_stream_shows_only_the_last_tier(stack: Stack, plain, mode) -> None:
+    stack.use(cascade_yaml(UNSURE, mode, window=4 if mode == "early" else None))
+    discarded = stack.metric("kvcascade_cascade_tokens_total", tier="small", outcome="discarded")
+    msgs = stack.ask(request(max_tokens=24))
+    assert text(msgs) == text(plain)  # one answer, not a trial's tokens and then the answer
+    assert sum(len(m.token_ids) for m in msgs) == msgs[-1].usage.completion_tokens == 24
+    assert {(m.tier, m.escalated) for m in msgs} == {("large", True)}
+    assert -20 < msgs[-1].confidence <= 0
+    thrown = stack.metric("kvcascade_cascade_tokens_total", tier="small", outcome="discarded") - discarded
+    # full: the trial ran to its end; early: it was cancelled right after its 4-token window.
+    assert thrown == 24 if mode == "full" else 4 <= thrown < 24
+    assert stack.metric("kvcascade_cascade_escalations_total", tier="small", reason="confidence") >= 1
+    stack.wait_until_idle()  # the cancelled trial freed its KV blocks
+
+
+def test_early_mode_streams_an_accepted_tier_after_its_window(stack: Stack, plain) -> None:
+    stack.use(cascade_yaml(SURE, "early", window=4))
+    msgs = stack.ask(request(max_tokens=24))
+    assert text(msgs) == text(plain)
+    assert {(m.tier, m.escalated) for m in msgs} == {("small", False)}
+
+
+def test_the_client_gets_the_logprobs_it_asked_for_not_the_measures(stack: Stack) -> None:
+    stack.use(cascade_yaml({"measure": "mean_entropy", "top_logprobs": 10, "threshold": 1e9}))
+    req = request()
+    req.sampling.logprobs = 2
+    msgs = stack.ask(req)
+    assert msgs[-1].tier == "small" and msgs[-1].confidence >= 0  # an entropy
+    lps = [lp for m in msgs for lp in m.logprobs]
+    assert len(lps) == 8 and all(len(lp.top) == 2 for lp in lps)
+
+
+def test_a_pinned_tier_answers_and_opting_out_skips_the_cascade(stack: Stack) -> None:
+    stack.use(cascade_yaml(UNSURE))
+    pinned = stack.ask(request(tier="small"))
+    assert {(m.tier, m.escalated) for m in pinned} == {("small", False)}  # pinned: never escalates
+    out = stack.ask(request(cascade=pb.CASCADE_OFF))
+    assert out[-1].finish_reason == "length" and not any(m.tier for m in out)
+    named = stack.ask(request(MODEL))  # naming a model is opting out too
+    assert not any(m.tier for m in named)
+    with pytest.raises(grpc.RpcError) as err:
+        stack.ask(request(tier="medium"))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "tier: unknown tier 'medium'" in err.value.details()
+
+
+def test_http_extension_fields(stack: Stack) -> None:
+    stack.use(cascade_yaml(UNSURE))
+    chat = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 6, "temperature": 0}
+    body = httpx.post(f"{stack.base_url}/v1/chat/completions", json={**chat, "model": "cascade"}, timeout=60).json()
+    assert (body["tier"], body["escalated"]) == ("large", True) and body["confidence"] <= 0
+    body = httpx.post(f"{stack.base_url}/v1/chat/completions", json={**chat, "tier": "small"}, timeout=60).json()
+    assert (body["tier"], body["escalated"]) == ("small", False)
+    body = httpx.post(f"{stack.base_url}/v1/chat/completions", json={**chat, "cascade": False}, timeout=60).json()
+    assert "tier" not in body and body["choices"][0]["message"]["content"]
+    with httpx.stream("POST", f"{stack.base_url}/v1/completions", timeout=60,
+                      json={"prompt": "The capital of France is", "max_tokens": 6, "temperature": 0,
+                            "stream": True}) as resp:
+        chunks = [json.loads(line.removeprefix("data: ")) for line in resp.iter_lines() if line.startswith("data: {")]
+    assert chunks and all((c["tier"], c["escalated"]) == ("large", True) for c in chunks)
+    assert all(c["confidence"] is None for c in chunks[:-1]) and chunks[-1]["confidence"] <= 0
+    models = httpx.get(f"{stack.base_url}/v1/models", timeout=10).json()
+    assert {m["id"] for m in models["data"]} == {MODEL, "cascade"}
+
+
+def test_the_file_is_reloaded_on_change_and_a_bad_one_is_refused(stack: Stack) -> None:
+    stack.use(cascade_yaml(SURE))
+    assert stack.ask(request(max_tokens=2))[-1].tier == "small"
+    write(stack.path, cascade_yaml(UNSURE))  # the watcher (polling every 0.2 s here) picks it up
+    deadline = time.monotonic() + 5
+    while stack.router.cascade.config != parse_cascade(cascade_yaml(UNSURE)):
+        assert time.monotonic() < deadline, "the changed file was not reloaded"
+        time.sleep(0.05)
+    assert stack.ask(request(max_tokens=2))[-1].tier == "large"
+    errors = stack.metric("kvcascade_cascade_reloads_total", result="error")
+    write(stack.path, "tiers:\n  - model: x\n    threshold: nope\n")
+    deadline = time.monotonic() + 5
+    while stack.metric("kvcascade_cascade_reloads_total", result="error") == errors:
+        assert time.monotonic() < deadline, "the bad file was not looked at"
+        time.sleep(0.05)
+    assert stack.router.cascade.config == parse_cascade(cascade_yaml(UNSURE))  # the old one stays
+    assert stack.ask(request(max_tokens=2))[-1].tier == "large"
+
+
+def test_an_escalated_tier_can_see_the_draft_it_replaces(stack: Stack, plain) -> None:
+    stack.use("original_prompt_only: false\n" + cascade_yaml(UNSURE))
+    msgs = stack.ask(request(max_tokens=4))
+    assert msgs[-1].tier == "large" and msgs[-1].escalated
+    # The prompt grew by the draft (an assistant turn) and the review question (a user turn).
+    assert msgs[-1].usage.prompt_tokens > plain[-1].usage.prompt_tokens + 4
