@@ -5,7 +5,11 @@ redis-server for the registry and prefix index. The workload: P long system prom
 each user asking one short question, arriving as a Poisson process. Each policy gets the same
 requests (prompts salted per run, so no run inherits another's cache).
 
-    python benchmarks/routing.py --workers 2 --prompts 4 --users 6 --rate 2 --out /tmp/routing.json
+    python benchmarks/routing.py --workers 2 --prompts 10 --users 4 --rate 2 --out /tmp/routing.json
+
+Each worker's KV pool (--worker-kv-cache) holds about half of the system prompts: a policy that
+keeps each prompt on one worker keeps it cached, one that spreads every prompt over all workers
+makes each worker cycle through all of them and evict.
 
 Reports per policy: prefix-cache hit rate (cached / prompt tokens, from usage), TTFT p50/p90/p99,
 end-to-end p50, output throughput, and the most loaded worker's share of requests.
@@ -38,7 +42,9 @@ from deploy.local import WorkerProcess, free_port  # noqa: E402
 
 TOPICS = ["a hiking-gear shop's return and shipping rules", "a city library's opening hours and fees",
           "a bakery's allergy and ordering policy", "a bike repair shop's prices and warranty",
-          "a language school's courses and enrolment", "a dentist's booking and cancellation rules"]
+          "a language school's courses and enrolment", "a dentist's booking and cancellation rules",
+          "a gym's membership terms", "a car rental's insurance options", "a hotel's check-in rules",
+          "a museum's ticket prices", "a ferry line's timetable", "a garden centre's delivery terms"]
 
 
 def system_prompt(topic: str, salt: str, words: int) -> str:
@@ -136,6 +142,8 @@ def main() -> None:
     ap.add_argument("--rate", type=float, default=2.0, help="requests/s, Poisson (0: all at once)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--policies", nargs="+", default=["prefix_aware", "round_robin"])
+    ap.add_argument("--worker-kv-cache", default="96MiB",
+                    help="each worker's KV pool: small enough that one worker cannot hold every prompt")
     ap.add_argument("--out", help="write the rows as JSON here")
     args = ap.parse_args()
 
@@ -147,7 +155,7 @@ def main() -> None:
     redis_proc = subprocess.Popen([redis_bin, "--port", str(port), "--save", "", "--appendonly", "no",
                                    "--dir", tmp], stdout=subprocess.DEVNULL)
     url = f"redis://127.0.0.1:{port}/0"
-    workers = [WorkerProcess(f"w{i}", url) for i in range(args.workers)]
+    workers = [WorkerProcess(f"w{i}", url, "--kv-cache-memory", args.worker_kv_cache) for i in range(args.workers)]
     try:
         time.sleep(0.3)
         for w in workers:  # one at a time: loading is CPU-heavy
