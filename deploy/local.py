@@ -28,7 +28,7 @@ def free_port() -> int:
 class WorkerProcess:
     """``kvcascade worker`` in a child process; start() returns once its gRPC server answers."""
 
-    def __init__(self, worker_id: str, redis_url: str, *extra: str, port: int | None = None):
+    def __init__(self, worker_id: str, redis_url: str | None, *extra: str, port: int | None = None):
         self.worker_id = worker_id
         self.redis_url = redis_url
         self.extra = extra
@@ -44,7 +44,7 @@ class WorkerProcess:
         self.log = open(Path(tempfile.gettempdir()) / f"kvcascade-{self.worker_id}-{self.port}.log", "w")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "kvcascade", "worker", "--port", str(self.port), "--worker-id", self.worker_id,
-             "--redis-url", self.redis_url, "--heartbeat-ttl", "2", *self.extra],
+             *(["--redis-url", self.redis_url] if self.redis_url else []), "--heartbeat-ttl", "2", *self.extra],
             cwd=REPO, env=env, stdout=self.log, stderr=subprocess.STDOUT,
         )
         deadline = time.monotonic() + timeout

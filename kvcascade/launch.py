@@ -13,6 +13,7 @@ import logging
 import os
 import signal
 import socket
+import threading
 from collections.abc import Collection
 from dataclasses import dataclass
 
@@ -30,6 +31,9 @@ class WorkerOptions:
     advertise_address: str | None = None  # what routers dial; default host:port
     heartbeat_ttl_s: float = 5.0
     key_prefix: str = "kvc:"
+    # Exit the process when the engine loop or a tensor-parallel rank dies, so its supervisor
+    # (Kubernetes, Ray) restarts it whole; always on with tensor parallelism.
+    exit_on_failure: bool = False
 
 
 @dataclass
@@ -70,9 +74,20 @@ async def start_worker(config: EngineConfig, opts: WorkerOptions, running: Runni
     from worker.engine.llm_engine import LLMEngine
     from worker.server import WorkerServer
 
+    ranks = None
+    if engine is None and config.tensor_parallel_size > 1:
+        from worker.distributed.ranks import LocalRanks
+
+        ranks = LocalRanks(config)
+        config = await asyncio.to_thread(ranks.start)
+        running.on_stop(ranks.stop)  # last: after the engine has released them
     async_engine = AsyncEngine(engine or await asyncio.to_thread(LLMEngine, config))
     async_engine.start()
     running.on_stop(async_engine.shutdown)
+    if opts.exit_on_failure or ranks is not None:
+        watchdog = Watchdog(async_engine, ranks)
+        watchdog.start()
+        running.on_stop(watchdog.stop)  # first: a clean shutdown is not a failure
     server = WorkerServer(async_engine, opts.host, opts.port)
     await server.start()
     running.on_stop(lambda: server.stop(grace_s))
@@ -92,6 +107,31 @@ async def start_worker(config: EngineConfig, opts: WorkerOptions, running: Runni
         running.on_stop(publisher.stop)  # runs before the server stops: routers stop sending first
     log.info("worker ready: model %s on %s", async_engine.model_id, server.address)
     return server
+
+
+class Watchdog:
+    """Exits the process when the engine loop dies or a tensor-parallel rank exits: a worker that
+    cannot step must go away at once, so routers stop sending to it and its supervisor restarts it."""
+
+    def __init__(self, engine, ranks=None, poll_s: float = 0.5):
+        self.engine, self.ranks, self.poll_s = engine, ranks, poll_s
+        self._stop = threading.Event()
+
+    def start(self) -> None:
+        threading.Thread(target=self._run, name="worker-watchdog", daemon=True).start()
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.poll_s):
+            reason = self.ranks.dead_rank() if self.ranks is not None else None
+            if reason is None and not self.engine.is_healthy():
+                reason = "the engine loop died"
+            if reason is not None and not self._stop.is_set():
+                log.critical("worker cannot serve: %s; exiting so that it is restarted", reason)
+                logging.shutdown()
+                os._exit(70)
 
 
 async def start_router(opts: RouterOptions, running: Running, *, registry=None, index=None, grace_s: float = 5.0):

@@ -181,6 +181,10 @@ class AsyncEngine:
             log.exception("engine loop died")
             self._dead = exc
         finally:
+            try:
+                engine.close()  # tensor-parallel ranks leave their step loop
+            except Exception:
+                log.exception("closing the engine failed")
             err = EngineDeadError(f"engine stopped: {self._dead!r}" if self._dead else "engine shut down")
             with self._cv:
                 streams = list(self._streams)

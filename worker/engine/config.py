@@ -27,10 +27,14 @@ class EngineConfig:
     max_model_len: int | None = None  # prompt + output; None: the model's context length
     max_queued_requests: int = 256  # waiting + running; past it a request is refused (overload)
     enable_prefix_caching: bool = True
+    # Ranks (GPUs, or CPU processes) one model is split over; each holds its share of the weights
+    # and of the KV pool, so kv_cache_bytes is per rank.
+    tensor_parallel_size: int = 1
     seed: int = 0  # dummy weights
 
     def __post_init__(self) -> None:
-        positive = ("block_size", "kv_cache_bytes", "max_num_batched_tokens", "max_num_seqs", "max_queued_requests")
+        positive = ("block_size", "kv_cache_bytes", "max_num_batched_tokens", "max_num_seqs", "max_queued_requests",
+                    "tensor_parallel_size")
         for name in positive:
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")

@@ -15,6 +15,7 @@ import time
 
 import torch
 
+from worker.distributed.group import get_tp
 from worker.engine.block_manager import BlockManager
 from worker.engine.config import EngineConfig
 from worker.engine.detokenizer import take_text_delta, update_text
@@ -26,7 +27,8 @@ from worker.engine.scheduler import ScheduledSeq, Scheduler
 from worker.engine.sequence import Sequence
 from worker.models.attention import create_attention_backend
 from worker.models.llama import LlamaForCausalLM
-from worker.models.loader import iter_weights, load_config, load_tokenizer, resolve_model
+from worker.models.config import ModelConfig
+from worker.models.loader import iter_dummy_weights, iter_weights, load_config, load_tokenizer, resolve_model
 
 log = logging.getLogger(__name__)
 
@@ -40,38 +42,13 @@ class LLMEngine:
         self.model_id = source.model_id
         self.model_config = load_config(source)
         self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(source)
-        self.max_model_len = min(config.max_model_len or self.model_config.max_position_embeddings,
-                                 self.model_config.max_position_embeddings)
+        self.max_model_len = _max_model_len(config, self.model_config)
         self.eos_token_ids = set(self.model_config.eos_token_ids)
-        dtype = DTYPES[config.dtype]
-        backend = create_attention_backend(config.attention_backend)
-        if model is None:
-            torch.manual_seed(config.seed)
-            # Parameters are created in the serving dtype on the device (no full-size fp32 copy);
-            # the rotary tables ask for float32 explicitly and stay so.
-            default_dtype = torch.get_default_dtype()
-            torch.set_default_dtype(dtype)
-            try:
-                with torch.device(config.device):
-                    model = LlamaForCausalLM(self.model_config)
-            finally:
-                torch.set_default_dtype(default_dtype)
-            if source.kind == "dummy":
-                _init_dummy(model)
-            else:
-                model.load_weights(iter_weights(source))
-        self.model = model.eval()
-        if config.num_kv_blocks:
-            num_blocks = config.num_kv_blocks
-        elif config.device.startswith("cuda"):
-            num_blocks = cuda_kv_blocks(config, self.model_config, self.model, backend, self.max_model_len)
-        else:
-            num_blocks = config.kv_cache_bytes // kv_bytes_per_block(self.model_config, config.block_size, dtype)
-        if num_blocks < 1:
-            raise ValueError(f"kv_cache_bytes={config.kv_cache_bytes} holds no KV block of this model")
+        self.runner = build_runner(config, source, self.model_config, model)
+        self.model = self.runner.model
+        num_blocks = self.runner.num_blocks
         self.block_manager = BlockManager(num_blocks, config.block_size, self.model_id, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_batched_tokens, config.max_num_seqs)
-        self.runner = ModelRunner(config, self.model_config, self.model, backend, num_blocks, self.max_model_len)
         self.requests: dict[str, Sequence] = {}
         self._ids = itertools.count()
         log.info("engine ready: model=%s blocks=%d x %d tokens, max_model_len=%d",
@@ -144,7 +121,11 @@ class LLMEngine:
             return outputs
         try:
             sampled = self.runner.run(batch)
-        except Exception as exc:  # a failed step fails its batch, never the engine
+        except Exception as exc:  # a failed step fails its batch, never the engine...
+            if self.runner.tp.size > 1:
+                # ...except under tensor parallelism: the ranks may now disagree on where they are
+                # in the step's collectives, and only a restart of all of them is safe.
+                raise
             log.exception("step failed; failing its %d requests", len(batch))
             return outputs + [self._finish(item.seq, "error", error=f"{type(exc).__name__}: {exc}")
                               for item in batch]
@@ -233,13 +214,73 @@ class LLMEngine:
     def check_integrity(self) -> None:
         self.scheduler.check_integrity()
 
+    def close(self) -> None:
+        """Release the other tensor-parallel ranks (they leave their step loop); the engine takes
+        no more steps. Called from the thread that steps it."""
+        self.runner.close()
 
-def _init_dummy(model: torch.nn.Module) -> None:
-    """Random weights with sane scales (what a step costs does not depend on the values)."""
-    for name, p in model.named_parameters():
-        if name.endswith("layernorm.weight") or name.endswith("norm.weight"):
-            torch.nn.init.ones_(p)
-        elif p.dim() >= 2:
-            torch.nn.init.normal_(p, std=0.02)
-        else:
-            torch.nn.init.zeros_(p)
+
+def build_model(config: EngineConfig, source, model_cfg: ModelConfig) -> LlamaForCausalLM:
+    """This rank's part of the model, on the device in the serving dtype, weights loaded one full
+    tensor at a time (each parameter keeps its own shard)."""
+    dtype = DTYPES[config.dtype]
+    # Parameters are created in the serving dtype on the device (no full-size fp32 copy);
+    # the rotary tables ask for float32 explicitly and stay so.
+    default_dtype = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(config.device):
+            model = LlamaForCausalLM(model_cfg)
+    finally:
+        torch.set_default_dtype(default_dtype)
+    if source.kind == "dummy":
+        model.load_weights(iter_dummy_weights(model_cfg, config.seed, config.device, dtype))
+    else:
+        model.load_weights(iter_weights(source))
+    return model
+
+
+def _max_model_len(config: EngineConfig, model_cfg: ModelConfig) -> int:
+    return min(config.max_model_len or model_cfg.max_position_embeddings, model_cfg.max_position_embeddings)
+
+
+def build_runner(config: EngineConfig, source, model_cfg: ModelConfig,
+                 model: LlamaForCausalLM | None = None) -> ModelRunner:
+    """This rank's model and KV pool. Every rank of a tensor-parallel worker calls it (rank 0 from
+    LLMEngine, the others from ``follow``) and meets the others in the same collectives."""
+    tp = get_tp()
+    if tp.size != config.tensor_parallel_size:
+        raise ValueError(f"tensor_parallel_size={config.tensor_parallel_size} but this process is rank "
+                         f"{tp.rank} of {tp.size}: start the ranks with worker.distributed.ranks")
+    if model is None:
+        model = build_model(config, source, model_cfg)
+    model = model.eval()
+    backend = create_attention_backend(config.attention_backend)
+    max_model_len = _max_model_len(config, model_cfg)
+    num_blocks = kv_block_count(config, model_cfg, model, backend, max_model_len)
+    if num_blocks < 1:
+        raise ValueError(f"kv_cache_bytes={config.kv_cache_bytes} holds no KV block of this model")
+    return ModelRunner(config, model_cfg, model, backend, num_blocks, max_model_len)
+
+
+def follow(config: EngineConfig) -> None:
+    """The life of a tensor-parallel rank > 0 (its group already joined): load its shard, then run
+    the steps rank 0 broadcasts until rank 0 closes its engine."""
+    source = resolve_model(config.model)
+    runner = build_runner(config, source, load_config(source))
+    log.info("rank %d of %d ready: %d KV blocks", runner.tp.rank, runner.tp.size, runner.num_blocks)
+    runner.follow()
+
+
+def kv_block_count(config: EngineConfig, model_cfg: ModelConfig, model: LlamaForCausalLM, backend,
+                   max_model_len: int) -> int:
+    """KV blocks in the pool; under tensor parallelism every rank sizes its share and all take the
+    smallest, since a block id means the same block on every rank."""
+    dtype = DTYPES[config.dtype]
+    if config.num_kv_blocks:
+        blocks = config.num_kv_blocks
+    elif config.device.startswith("cuda"):
+        blocks = cuda_kv_blocks(config, model_cfg, model, backend, max_model_len)
+    else:
+        blocks = config.kv_cache_bytes // kv_bytes_per_block(model_cfg, config.block_size, dtype, model.kv_heads)
+    return get_tp().min_int(blocks)

@@ -2,12 +2,24 @@
 
 It owns the KV pool: one [num_blocks, block_size, kv_heads, head_dim] tensor for K and one for V
 per layer, allocated once and handed to the model with each step's attention metadata.
+
+Under tensor parallelism every rank has a runner over its share of the heads (and of the pool);
+rank 0 schedules and samples, the others follow:
+
+    rank 0:  batch -> prepare -> StepInputs --broadcast--> execute -> logits -> sample
+    rank r:                      StepInputs <-------------  execute (same collectives, same order)
+
+Every decision inside ``execute`` (graph or eager, which rows to sample) is a function of the
+StepInputs alone, so all ranks issue the same collectives in the same order.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
+from worker.distributed.group import get_tp
 from worker.engine.config import EngineConfig
 from worker.engine.outputs import TokenLogprob
 from worker.engine.sampler import sample
@@ -18,9 +30,25 @@ from worker.models.config import ModelConfig
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def kv_bytes_per_block(model_cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+def kv_bytes_per_block(model_cfg: ModelConfig, block_size: int, dtype: torch.dtype, kv_heads: int | None = None) -> int:
+    """Bytes of one KV block on one rank (``kv_heads``: this rank's share; default all of them)."""
     itemsize = torch.tensor([], dtype=dtype).element_size()
-    return 2 * model_cfg.num_layers * block_size * model_cfg.num_kv_heads * model_cfg.head_dim * itemsize
+    heads = model_cfg.num_kv_heads if kv_heads is None else kv_heads
+    return 2 * model_cfg.num_layers * block_size * heads * model_cfg.head_dim * itemsize
+
+
+@dataclass
+class StepInputs:
+    """One step as every rank needs it: plain lists, so it pickles small for the broadcast."""
+
+    input_ids: list[int]
+    positions: list[int]
+    slots: list[int]  # flat pool slot of each new token
+    query_start: list[int]
+    context_lens: list[int]
+    block_tables: list[list[int]]
+    num_decodes: int
+    sample_rows: list[int]  # rows of the flat batch whose logits are sampled
 
 
 class ModelRunner:
@@ -29,10 +57,13 @@ class ModelRunner:
         self.config = config
         self.model = model
         self.backend = backend
+        self.tp = get_tp()
         self.device = torch.device(config.device)
         self.block_size = config.block_size
+        self._closed = False
+        self.num_blocks = num_blocks
         dtype = DTYPES[config.dtype]
-        shape = (num_blocks, config.block_size, model_cfg.num_kv_heads, model_cfg.head_dim)
+        shape = (num_blocks, config.block_size, model.kv_heads, model_cfg.head_dim)
         self.kv_caches = [
             (torch.zeros(shape, dtype=dtype, device=self.device), torch.zeros(shape, dtype=dtype, device=self.device))
             for _ in range(model_cfg.num_layers)
@@ -43,11 +74,18 @@ class ModelRunner:
 
             self.graphs = DecodeGraphs(model, self.kv_caches, backend, block_size=config.block_size,
                                        max_model_len=max_model_len, max_batch=config.max_num_seqs,
-                                       num_kv_heads=model_cfg.num_kv_heads, device=self.device)
+                                       num_kv_heads=model.kv_heads, device=self.device)
 
-    @torch.inference_mode()
     def run(self, batch: list[ScheduledSeq]) -> list[tuple[int, TokenLogprob | None] | None]:
-        """One forward pass; per scheduled sequence, its sampled token (None for a partial prefill)."""
+        """One forward pass (rank 0); per scheduled sequence, its sampled token (None for a partial prefill)."""
+        inputs = self.prepare(batch)
+        self.tp.broadcast_object(inputs)
+        logits = self.execute(inputs)
+        if logits is None:
+            return [None] * len(batch)
+        return self._sample(batch, logits)
+
+    def prepare(self, batch: list[ScheduledSeq]) -> StepInputs:
         input_ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
@@ -67,28 +105,47 @@ class ModelRunner:
                 sample_rows.append(query_start[-1] - 1)
         # The scheduler puts single-token steps first; the backend batches that run as decodes.
         num_decodes = next((i for i, it in enumerate(batch) if it.num_new_tokens != 1), len(batch))
-        if self.graphs is not None and num_decodes == len(batch) and self.graphs.fits(num_decodes):
-            logits = self.graphs.run(input_ids, positions, slots, block_tables, context_lens)
-            return self._sample(batch, logits)
+        return StepInputs(input_ids, positions, slots, query_start, context_lens, block_tables, num_decodes,
+                          sample_rows)
+
+    @torch.inference_mode()
+    def execute(self, inputs: StepInputs) -> torch.Tensor | None:
+        """The forward pass of one step on this rank: logits [len(sample_rows), vocab], or None when
+        no row samples (every rank skips the LM head alike)."""
+        n = len(inputs.context_lens)
+        if self.graphs is not None and inputs.num_decodes == n and self.graphs.fits(n):
+            return self.graphs.run(inputs.input_ids, inputs.positions, inputs.slots, inputs.block_tables,
+                                   inputs.context_lens)
         meta = AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.long, device=self.device),
-            query_start=query_start,
-            context_lens=context_lens,
-            block_tables=block_tables,
-            block_size=bs,
-            num_decodes=num_decodes,
+            slot_mapping=torch.tensor(inputs.slots, dtype=torch.long, device=self.device),
+            query_start=inputs.query_start,
+            context_lens=inputs.context_lens,
+            block_tables=inputs.block_tables,
+            block_size=self.block_size,
+            num_decodes=inputs.num_decodes,
             kv_caches=self.kv_caches,
             backend=self.backend,
         )
         self.backend.prepare(meta, self.device)
-        ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)
-        pos_t = torch.tensor(positions, dtype=torch.long, device=self.device)
+        ids = torch.tensor(inputs.input_ids, dtype=torch.long, device=self.device)
+        pos_t = torch.tensor(inputs.positions, dtype=torch.long, device=self.device)
         with forward_context(meta):
             hidden = self.model(ids, pos_t)
-        if not sample_rows:
-            return [None] * len(batch)
-        logits = self.model.compute_logits(hidden[torch.tensor(sample_rows, device=self.device)])
-        return self._sample(batch, logits)
+        if not inputs.sample_rows:
+            return None
+        return self.model.compute_logits(hidden[torch.tensor(inputs.sample_rows, device=self.device)])
+
+    def follow(self) -> None:
+        """Ranks > 0: run the steps rank 0 broadcasts until it broadcasts None (``close``)."""
+        assert not self.tp.is_driver
+        while (inputs := self.tp.broadcast_object()) is not None:
+            self.execute(inputs)
+
+    def close(self) -> None:
+        """Rank 0: release the followers (they return from ``follow``). Idempotent."""
+        if self.tp.is_driver and not self._closed:
+            self._closed = True
+            self.tp.broadcast_object(None)
 
     def _sample(self, batch: list[ScheduledSeq], logits: torch.Tensor) -> list[tuple[int, TokenLogprob | None] | None]:
         results: list[tuple[int, TokenLogprob | None] | None] = [None] * len(batch)
@@ -111,7 +168,7 @@ def cuda_kv_blocks(config: EngineConfig, model_cfg: ModelConfig, model: torch.nn
     bs = config.block_size
     tokens = min(config.max_num_batched_tokens, max_model_len)
     blocks = -(-tokens // bs)
-    shape = (blocks, bs, model_cfg.num_kv_heads, model_cfg.head_dim)
+    shape = (blocks, bs, model.kv_heads, model_cfg.head_dim)
     caches = [(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
               for _ in range(model_cfg.num_layers)]
     torch.cuda.synchronize(device)
@@ -131,4 +188,4 @@ def cuda_kv_blocks(config: EngineConfig, model_cfg: ModelConfig, model: torch.nn
     _, total = torch.cuda.mem_get_info(device)
     margin = 512 * 2**20  # CUDA graphs, the allocator's slack
     budget = int(total * config.gpu_memory_utilization) - peak - margin
-    return max(0, budget // kv_bytes_per_block(model_cfg, bs, dtype))
+    return max(0, budget // kv_bytes_per_block(model_cfg, bs, dtype, model.kv_heads))

@@ -2,6 +2,8 @@
 
 Projections are fused (q|k|v into one matmul, gate|up into another); ``load_weights`` takes
 Hugging Face parameter names and stacks the pieces, so every weight source maps onto HF names.
+Under tensor parallelism (worker/distributed) each rank builds the same model over its own heads,
+MLP columns and vocab slice (parallel_layers.py); nothing else in the model changes.
 """
 
 from __future__ import annotations
@@ -14,17 +16,22 @@ import torch.nn as nn
 from worker.models.attention import get_forward_context
 from worker.models.config import ModelConfig
 from worker.models.layers import RMSNorm, RotaryEmbedding, SiluAndMul
+from worker.models.parallel_layers import (MergedColumnParallelLinear, ParallelLMHead, QKVParallelLinear,
+                                           RowParallelLinear, VocabParallelEmbedding, default_weight_loader)
 
 
 class LlamaAttention(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_idx: int):
         super().__init__()
         self.layer_idx = layer_idx
-        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.head_dim = cfg.head_dim
+        self.qkv_proj = QKVParallelLinear(cfg.hidden_size, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads, cfg.qkv_bias)
+        shard = self.qkv_proj.shard  # this rank's heads: all of them at tensor parallel size 1
+        self.num_heads, self.num_kv_heads = shard.q_count, shard.kv_count
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias)
-        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
+        self.o_proj = RowParallelLinear(cfg.num_heads * cfg.head_dim, cfg.hidden_size,
+                                        shard.q_start * cfg.head_dim, self.q_size)
         self.rotary = RotaryEmbedding(self.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
         self.scale = self.head_dim**-0.5
 
@@ -43,8 +50,9 @@ class LlamaAttention(nn.Module):
 class LlamaMLP(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, [cfg.intermediate_size] * 2)
+        start, count = self.gate_up_proj.parts[0]
+        self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, start, count)
         self.act = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -73,7 +81,7 @@ class LlamaDecoderLayer(nn.Module):
 class LlamaModel(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList([LlamaDecoderLayer(cfg, i) for i in range(cfg.num_layers)])
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -101,7 +109,7 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = cfg
         self.model = LlamaModel(cfg)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
@@ -110,22 +118,24 @@ class LlamaForCausalLM(nn.Module):
         return self.model(input_ids, positions)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[n, vocab] on every rank (the LM head gathers its vocab slices)."""
         return self.lm_head(hidden)
+
+    @property
+    def kv_heads(self) -> int:
+        """KV heads this rank stores per layer: its share of the KV pool."""
+        return self.model.layers[0].self_attn.num_kv_heads
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Load HF-named tensors; fails loudly on a missing or unexpected one."""
+        """Load HF-named full tensors, one at a time, each parameter keeping its rank's part;
+        fails loudly on a missing or unexpected one."""
         params = dict(self.named_parameters())
-        cfg = self.config
-        shard_sizes = {
-            "qkv_proj": [cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim],
-            "gate_up_proj": [cfg.intermediate_size, cfg.intermediate_size],
-        }
         loaded: set[str] = set()
         for name, tensor in weights:
             if "rotary_emb" in name:
                 continue
-            if name == "lm_head.weight" and cfg.tie_word_embeddings:
+            if name == "lm_head.weight" and self.config.tie_word_embeddings:
                 continue
             target, shard = name, None
             for piece, (fused, idx) in _STACKED.items():
@@ -135,28 +145,24 @@ class LlamaForCausalLM(nn.Module):
             if target not in params:
                 raise KeyError(f"unexpected weight {name!r} for this model")
             param = params[target]
-            if shard is None:
-                if param.shape != tensor.shape:
-                    raise ValueError(f"{name}: shape {tuple(tensor.shape)} != {tuple(param.shape)}")
-                param.copy_(tensor)
-            else:
-                sizes = shard_sizes[target.split(".")[-2]]
-                start = sum(sizes[:shard])
-                dst = param.narrow(0, start, sizes[shard])
-                if dst.shape != tensor.shape:
-                    raise ValueError(f"{name}: shape {tuple(tensor.shape)} != {tuple(dst.shape)}")
-                dst.copy_(tensor)
-                target = f"{target}#{shard}"
-            loaded.add(target)
-        expected = set()
-        for pname in params:
-            fused = pname.split(".")[-2] if pname.count(".") >= 2 else ""
-            if fused in shard_sizes:
-                expected.update(f"{pname}#{i}" for i in range(len(shard_sizes[fused])))
-            else:
-                expected.add(pname)
-        if cfg.tie_word_embeddings:
-            expected.discard("lm_head.weight")
-        missing = expected - loaded
+            loader = getattr(param, "weight_loader", default_weight_loader)
+            try:
+                loader(param, tensor, shard)
+            except ValueError as exc:
+                raise ValueError(f"{name}: {exc}") from None
+            loaded.add(target if shard is None else f"{target}#{shard}")
+        missing = self.expected_weights() - loaded
         if missing:
             raise KeyError(f"weights missing from the checkpoint: {sorted(missing)[:8]}")
+
+    def expected_weights(self) -> set[str]:
+        """Our parameter names, a fused one once per HF piece (``qkv_proj.weight#1`` is k_proj)."""
+        pieces = {"qkv_proj": 3, "gate_up_proj": 2}
+        expected = set()
+        for pname, _ in self.named_parameters():
+            fused = pname.split(".")[-2] if pname.count(".") >= 2 else ""
+            if fused in pieces:
+                expected.update(f"{pname}#{i}" for i in range(pieces[fused]))
+            else:
+                expected.add(pname)
+        return expected

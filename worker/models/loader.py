@@ -106,6 +106,48 @@ def iter_weights(src: ModelSource) -> Iterator[tuple[str, "torch.Tensor"]]:
         raise ValueError("dummy models have no weights to read")
 
 
+def hf_weight_names(cfg: ModelConfig) -> Iterator[str]:
+    """The Hugging Face tensor names of a Llama-family model of this shape."""
+    yield "model.embed_tokens.weight"
+    for i in range(cfg.num_layers):
+        p = f"model.layers.{i}"
+        yield from (f"{p}.input_layernorm.weight", f"{p}.post_attention_layernorm.weight")
+        for proj in ("q_proj", "k_proj", "v_proj"):
+            yield f"{p}.self_attn.{proj}.weight"
+            if cfg.qkv_bias:
+                yield f"{p}.self_attn.{proj}.bias"
+        yield from (f"{p}.self_attn.o_proj.weight", f"{p}.mlp.gate_proj.weight", f"{p}.mlp.up_proj.weight",
+                    f"{p}.mlp.down_proj.weight")
+    yield "model.norm.weight"
+    if not cfg.tie_word_embeddings:
+        yield "lm_head.weight"
+
+
+def iter_dummy_weights(cfg: ModelConfig, seed: int, device: str = "cpu", dtype=None
+                       ) -> Iterator[tuple[str, "torch.Tensor"]]:
+    """Random full tensors with sane scales, each from its own seed (seed, name): every tensor is
+    the same whatever the tensor parallel size, so TP=2 can be checked against TP=1 on them.
+    What a step costs does not depend on the values."""
+    import zlib
+
+    import torch
+
+    h, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    i, d, v = cfg.intermediate_size, cfg.hidden_size, cfg.vocab_size
+    shapes = {"embed_tokens": (v, d), "lm_head": (v, d), "q_proj": (h, d), "k_proj": (kv, d), "v_proj": (kv, d),
+              "o_proj": (d, h), "gate_proj": (i, d), "up_proj": (i, d), "down_proj": (d, i)}
+    gen = torch.Generator(device=device)
+    for name in hf_weight_names(cfg):
+        piece, kind = name.split(".")[-2:]
+        if piece.endswith("norm"):
+            yield name, torch.ones(d, device=device, dtype=dtype)
+            continue
+        shape = shapes[piece] if kind == "weight" else shapes[piece][:1]
+        gen.manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+        std = 0.02 if kind == "weight" else 0.0
+        yield name, (torch.randn(shape, generator=gen, device=device) * std).to(dtype or torch.float32)
+
+
 def load_tokenizer(src: ModelSource):
     """The HF tokenizer (with chat template) for a source; None for a dummy model without one."""
     from transformers import AutoTokenizer

@@ -1,0 +1,166 @@
+"""Tensor parallelism on CPU (gloo): the split arithmetic, and `kvcascade worker --tp N` processes
+giving the same greedy tokens as the one-process engine (and as transformers)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import pytest
+
+from deploy.local import WorkerProcess
+from protos import kvcascade_pb2 as pb
+from protos import kvcascade_pb2_grpc as pb_grpc
+from worker.distributed.partition import check_tp, head_shard, split_evenly, vocab_shard
+from worker.engine.config import EngineConfig
+from worker.engine.llm_engine import LLMEngine
+from worker.engine.sampling_params import SamplingParams
+
+from tests.conftest import MAX_NEW
+
+# --- the split ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("heads,kv,tp", [(32, 8, 1), (32, 8, 2), (32, 8, 8), (9, 3, 2), (9, 3, 3), (14, 2, 2),
+                                         (14, 2, 4), (12, 2, 4), (4, 2, 4), (8, 1, 4)])
+def test_every_head_lands_on_a_rank_with_its_kv_head(heads, kv, tp):
+    group = heads // kv
+    owner: dict[int, int] = {}
+    for rank in range(tp):
+        s = head_shard(heads, kv, tp, rank)
+        assert s.q_count >= 1 and s.kv_count >= 1
+        for q in range(s.q_start, s.q_start + s.q_count):
+            assert q not in owner, f"query head {q} on two ranks"
+            owner[q] = rank
+            # the KV head this query head reads is on the same rank
+            assert s.kv_start <= q // group < s.kv_start + s.kv_count
+    assert sorted(owner) == list(range(heads))
+
+
+def test_uneven_heads_give_the_first_ranks_one_more():
+    assert [head_shard(9, 3, 2, r) for r in (0, 1)] == [
+        head_shard(9, 3, 2, 0).__class__(0, 6, 0, 2), head_shard(9, 3, 2, 0).__class__(6, 3, 2, 1)]
+    assert [split_evenly(10, 4, i) for i in range(4)] == [(0, 3), (3, 3), (6, 2), (8, 2)]
+
+
+def test_vocab_slices_are_equal_and_cover_the_vocabulary():
+    rows = []
+    for rank in range(3):
+        start, count, padded = vocab_shard(49153, 3, rank)
+        assert padded == 16385 and count <= padded
+        rows += range(start, start + count)
+    assert rows == list(range(49153))
+
+
+@pytest.mark.parametrize("heads,kv,inter,tp,message", [
+    (9, 3, 1536, 4, "must divide evenly over the 3 KV heads"),
+    (4, 1, 128, 8, "exceeds the 4 query heads"),
+    (4, 2, 128, 0, "must be >= 1"),
+])
+def test_impossible_splits_say_why(heads, kv, inter, tp, message):
+    with pytest.raises(ValueError, match=message):
+        check_tp(heads, kv, inter, tp)
+
+
+def test_a_tp_config_without_its_ranks_is_refused():
+    with pytest.raises(ValueError, match="tensor_parallel_size=2 but this process is rank 0 of 1"):
+        LLMEngine(EngineConfig(model="dummy:tiny", tensor_parallel_size=2))
+
+
+# --- TP workers against the one-process engine ----------------------------------------------------
+
+
+def _greedy(address: str, prompts: list[list[int]], max_tokens: int = MAX_NEW) -> list[list[int]]:
+    """All prompts at once (so the TP worker batches them), greedy, EOS ignored."""
+    def one(ids):
+        req = pb.GenerateRequest(sampling=pb.SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True))
+        req.token_ids.ids[:] = ids
+        with grpc.insecure_channel(address) as ch:
+            out = []
+            for msg in pb_grpc.KVCascadeStub(ch).Generate(req, timeout=300):
+                out += msg.token_ids
+            return out
+
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        return list(pool.map(one, prompts))
+
+
+@pytest.fixture
+def tp_worker(request):
+    """`kvcascade worker --tp N ...` as a process (its ranks its children), stopped after the test."""
+    procs = []
+
+    def start(*args: str) -> WorkerProcess:
+        w = WorkerProcess(f"tp-{len(procs)}", None, *args).start(timeout=300)
+        procs.append(w)
+        return w
+
+    yield start
+    for w in procs:
+        w.stop()
+
+
+@pytest.mark.slow
+def test_tp2_smollm2_matches_tp1_and_transformers(tp_worker, smollm2, prompt_ids, hf_reference):
+    # 9 query / 3 KV heads over 2 ranks: an uneven split (6+3 / 2+1), vocab and MLP halves.
+    worker = tp_worker("--tp", "2")
+    assert worker.stats().model == "smollm2-135m"
+    tp1 = LLMEngine(EngineConfig(model="smollm2-135m"), tokenizer=smollm2.tokenizer, model=smollm2.model)
+    expected = tp1.generate(prompt_ids, SamplingParams(max_tokens=MAX_NEW, temperature=0, ignore_eos=True))
+    assert expected == hf_reference
+    assert _greedy(worker.address, prompt_ids) == expected
+    # The second round hits the prefix cache of the TP worker: its blocks hold every rank's heads.
+    assert _greedy(worker.address, prompt_ids[:3]) == expected[:3]
+    assert worker.stats().prefix_hits > 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("tp", [2, 4])
+def test_dummy_model_tp_matches_tp1_with_replicated_kv_heads(tp_worker, tp):
+    # dummy:tiny has 4 query / 2 KV heads: at tp=4 each KV head lives on two ranks. Random weights
+    # come from a seed per tensor, so every rank count builds the same model.
+    prompts = [[(7 * i + 3 * j) % 500 + 1 for j in range(5 + 9 * i)] for i in range(6)]
+    tp1 = LLMEngine(EngineConfig(model="dummy:tiny"))
+    expected = tp1.generate(prompts, SamplingParams(max_tokens=24, temperature=0, ignore_eos=True))
+    worker = tp_worker("--model", "dummy:tiny", "--tp", str(tp), "--max-num-batched-tokens", "32")
+    assert _greedy(worker.address, prompts, max_tokens=24) == expected
+
+
+@pytest.mark.slow
+def test_a_dead_rank_ends_requests_and_the_worker(tp_worker):
+    """SIGKILL rank 1 mid-stream: no request hangs, and rank 0 exits so that it is restarted whole."""
+    worker = tp_worker("--model", "dummy:tiny", "--tp", "2")
+    rank1 = _children(worker.proc.pid)
+    assert len(rank1) == 1
+
+    def long(i):
+        req = pb.GenerateRequest(sampling=pb.SamplingParams(max_tokens=900, temperature=0, ignore_eos=True))
+        req.token_ids.ids[:] = [i + 1] * 8
+        with grpc.insecure_channel(worker.address) as ch:
+            try:
+                return sum(len(m.token_ids) for m in pb_grpc.KVCascadeStub(ch).Generate(req, timeout=60))
+            except grpc.RpcError as err:
+                return err.code()
+
+    with ThreadPoolExecutor(4) as pool:
+        futures = [pool.submit(long, i) for i in range(4)]
+        time.sleep(1.0)
+        os.kill(rank1[0], signal.SIGKILL)
+        results = [f.result(timeout=30) for f in futures]  # none hangs
+    assert all(r == grpc.StatusCode.UNAVAILABLE for r in results), results
+    assert worker.proc.wait(15) == 70  # the watchdog's exit code
+
+
+def _children(pid: int) -> list[int]:
+    kids = []
+    for entry in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                if entry.isdigit() and int(f.read().rsplit(")", 1)[1].split()[1]) == pid:
+                    kids.append(int(entry))
+        except (OSError, ValueError):
+            continue
+    return kids

@@ -1,0 +1,175 @@
+"""Start the ranks of one tensor-parallel worker.
+
+    rank 0 (the worker process): the engine, its scheduler and sampler, the gRPC server
+    ranks 1..T-1: run_rank -> join the group -> load their shard -> follow rank 0's steps
+
+``kvcascade worker --tp T`` starts ranks 1..T-1 as child processes on its node (LocalRanks); the
+Ray worker (worker/ray_worker.py) starts each as an actor in the worker's placement group. Both
+run ``run_rank``, so the GPU machine without Ray runs the code the actors run. The ranks of a
+worker share one node and meet on loopback.
+
+A worker whose rank dies cannot step: rank 0 watches its ranks and the ranks watch rank 0, and
+either side exits at once, so whoever supervises the worker (Kubernetes, Ray) restarts all of it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+
+from worker.engine.config import EngineConfig
+
+log = logging.getLogger(__name__)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def local_rank_config(config: EngineConfig, rank: int) -> EngineConfig:
+    """On a node's GPUs, ``cuda`` means GPU ``rank`` (a Ray actor sees only its own GPU, as cuda:0,
+    and keeps ``cuda``)."""
+    return dataclasses.replace(config, device=f"cuda:{rank}") if config.device == "cuda" else config
+
+
+def join_group(config: EngineConfig, rank: int, init_method: str) -> None:
+    from worker.distributed.group import init_tp
+
+    init_tp(rank, config.tensor_parallel_size, init_method, config.device)
+
+
+def run_rank(config: EngineConfig, rank: int, init_method: str) -> None:
+    """The whole life of rank ``rank`` > 0: join, load, follow; returns when rank 0 closes."""
+    from worker.distributed.group import destroy_tp
+    from worker.engine.llm_engine import follow
+
+    join_group(config, rank, init_method)
+    try:
+        follow(config)
+    finally:
+        destroy_tp()
+
+
+def exit_when_parent_dies(parent_pid: int, poll_s: float = 0.5) -> None:
+    """A rank whose worker process died (even by SIGKILL) must not linger holding a GPU."""
+    def watch() -> None:
+        while os.getppid() == parent_pid:
+            time.sleep(poll_s)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
+
+
+class LocalRanks:
+    """Ranks 1..T-1 as child processes of this one, which then joins as rank 0."""
+
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        self.procs: list[subprocess.Popen] = []
+        self.init_method = f"tcp://127.0.0.1:{free_port()}"
+        self._stopping = False
+
+    def start(self) -> EngineConfig:
+        """Spawn the ranks and join the group as rank 0 (returns once every rank has joined); the
+        configuration rank 0's engine runs with."""
+        for rank in range(1, self.config.tensor_parallel_size):
+            payload = json.dumps(dataclasses.asdict(local_rank_config(self.config, rank)))
+            self.procs.append(subprocess.Popen(
+                [sys.executable, "-m", "worker.distributed.ranks", "--rank", str(rank), "--init-method",
+                 self.init_method, "--parent-pid", str(os.getpid()), "--config", payload],
+                env=dict(os.environ, PYTHONUNBUFFERED="1")))
+        config = local_rank_config(self.config, 0)
+        # Join from a thread, so a rank that dies before joining fails the start at once, not
+        # after the rendezvous timeout.
+        joined: list[BaseException | None] = []
+        joiner = threading.Thread(target=lambda: joined.append(_call(join_group, config, 0, self.init_method)),
+                                  name="tp-join", daemon=True)
+        joiner.start()
+        while joiner.is_alive():
+            joiner.join(0.2)
+            if joiner.is_alive() and (reason := self.dead_rank()) is not None:
+                self.stop(timeout_s=0)
+                raise RuntimeError(f"{reason} before joining the tensor-parallel group (its log is above)")
+        if joined[0] is not None:
+            self.stop(timeout_s=0)
+            raise joined[0]
+        return config
+
+    def dead_rank(self) -> str | None:
+        """Why the worker cannot go on, or None while every rank runs."""
+        for rank, proc in enumerate(self.procs, start=1):
+            if proc.poll() is not None:
+                return f"tensor-parallel rank {rank} exited with code {proc.returncode}"
+        return None
+
+    def watch(self, on_death: Callable[[str], None], poll_s: float = 0.5) -> None:
+        """Call ``on_death(reason)`` (from a thread) when a rank exits before ``stop``."""
+        def run() -> None:
+            while not self._stopping:
+                reason = self.dead_rank()
+                if reason is not None and not self._stopping:
+                    on_death(reason)
+                    return
+                time.sleep(poll_s)
+
+        threading.Thread(target=run, name="rank-watch", daemon=True).start()
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        """After rank 0's engine closed (the ranks leave their loop): wait for them, then make sure."""
+        self._stopping = True
+        deadline = time.monotonic() + timeout_s
+        for proc in self.procs:
+            try:
+                proc.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        from worker.distributed.group import destroy_tp
+
+        destroy_tp()
+
+
+def _call(fn, *args) -> BaseException | None:
+    try:
+        fn(*args)
+    except BaseException as exc:  # handed to the starting thread
+        return exc
+    return None
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="one tensor-parallel rank > 0 of a kvcascade worker (internal)")
+    parser.add_argument("--rank", type=int, required=True)
+    parser.add_argument("--init-method", required=True)
+    parser.add_argument("--parent-pid", type=int, required=True)
+    parser.add_argument("--config", required=True, help="EngineConfig as JSON")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s %(levelname)s rank{args.rank} %(name)s: %(message)s")
+    exit_when_parent_dies(args.parent_pid)
+    # A Ctrl-C in the terminal (or `timeout`) signals the whole process group; a rank leaves only
+    # when rank 0 releases it after draining, or dies.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    try:
+        run_rank(EngineConfig(**json.loads(args.config)), args.rank, args.init_method)
+    except Exception:
+        log.exception("rank %d failed", args.rank)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,134 @@
+"""Tensor-parallel linear and embedding layers (Megatron-style), each rank holding its shard.
+
+    column-parallel (qkv, gate|up): each rank computes its own output columns, no communication
+    row-parallel (o, down):         each rank multiplies its input slice, then one all-reduce
+    vocab-parallel embedding:       each rank looks up its own rows, zeros elsewhere, one all-reduce
+    vocab-parallel LM head:         each rank computes its vocab slice, one all-gather
+
+Every parameter carries a ``weight_loader(param, full_tensor, shard_id)`` that copies this rank's
+part of a full checkpoint tensor, so weights arrive one tensor at a time and a rank never holds
+the whole model. At tensor parallel size 1 the layers are plain linear layers and embeddings.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from worker.distributed.group import get_tp
+from worker.distributed.partition import head_shard, split_evenly, vocab_shard
+
+
+def _copy_checked(dst: torch.Tensor, src: torch.Tensor, what: str) -> None:
+    if dst.shape != src.shape:
+        raise ValueError(f"{what}: shape {tuple(src.shape)} != {tuple(dst.shape)}")
+    dst.copy_(src)
+
+
+def default_weight_loader(param: torch.Tensor, full: torch.Tensor, shard_id: int | None = None) -> None:
+    """Replicated parameters (norms): every rank holds all of it."""
+    _copy_checked(param.data, full, "replicated weight")
+
+
+def _full_rows(full: torch.Tensor, expected: int, what: str) -> None:
+    if full.shape[0] != expected:
+        raise ValueError(f"{what}: checkpoint has {full.shape[0]} rows, the model config says {expected}")
+
+
+class QKVParallelLinear(nn.Module):
+    """q|k|v in one matmul over this rank's query and KV heads (head_shard)."""
+
+    def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool):
+        super().__init__()
+        tp = get_tp()
+        self.shard = head_shard(num_heads, num_kv_heads, tp.size, tp.rank)
+        self.head_dim, self.num_heads, self.num_kv_heads = head_dim, num_heads, num_kv_heads
+        rows = (self.shard.q_count + 2 * self.shard.kv_count) * head_dim
+        self.weight = nn.Parameter(torch.empty(rows, hidden_size), requires_grad=False)
+        self.bias = nn.Parameter(torch.empty(rows), requires_grad=False) if bias else None
+        for p in (self.weight, self.bias):
+            if p is not None:
+                p.weight_loader = self._load
+
+    def _load(self, param: torch.Tensor, full: torch.Tensor, shard_id: int) -> None:
+        s, hd = self.shard, self.head_dim
+        heads = (self.num_heads, self.num_kv_heads, self.num_kv_heads)[shard_id]
+        _full_rows(full, heads * hd, ("q_proj", "k_proj", "v_proj")[shard_id])
+        start, count = (s.q_start, s.q_count) if shard_id == 0 else (s.kv_start, s.kv_count)
+        offset = (0, s.q_count, s.q_count + s.kv_count)[shard_id] * hd
+        _copy_checked(param.data.narrow(0, offset, count * hd), full.narrow(0, start * hd, count * hd),
+                      ("q_proj", "k_proj", "v_proj")[shard_id])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class MergedColumnParallelLinear(nn.Module):
+    """Several column-parallel outputs (gate|up) in one matmul, each split evenly over ranks."""
+
+    def __init__(self, in_features: int, out_sizes: list[int]):
+        super().__init__()
+        tp = get_tp()
+        self.out_sizes = out_sizes
+        self.parts = [split_evenly(n, tp.size, tp.rank) for n in out_sizes]
+        self.weight = nn.Parameter(torch.empty(sum(c for _, c in self.parts), in_features), requires_grad=False)
+        self.weight.weight_loader = self._load
+
+    def _load(self, param: torch.Tensor, full: torch.Tensor, shard_id: int) -> None:
+        _full_rows(full, self.out_sizes[shard_id], f"merged part {shard_id}")
+        start, count = self.parts[shard_id]
+        offset = sum(c for _, c in self.parts[:shard_id])
+        _copy_checked(param.data.narrow(0, offset, count), full.narrow(0, start, count), f"merged part {shard_id}")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight)
+
+
+class RowParallelLinear(nn.Module):
+    """Input columns [in_start, in_start + in_count) on this rank; partial sums all-reduced."""
+
+    def __init__(self, in_features: int, out_features: int, in_start: int, in_count: int):
+        super().__init__()
+        self.in_features, self.in_start, self.in_count = in_features, in_start, in_count
+        self.weight = nn.Parameter(torch.empty(out_features, in_count), requires_grad=False)
+        self.weight.weight_loader = self._load
+
+    def _load(self, param: torch.Tensor, full: torch.Tensor, shard_id: int | None = None) -> None:
+        if full.shape[1] != self.in_features:
+            raise ValueError(f"row-parallel weight: checkpoint has {full.shape[1]} columns, expected {self.in_features}")
+        _copy_checked(param.data, full.narrow(1, self.in_start, self.in_count), "row-parallel weight")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return get_tp().all_reduce(F.linear(x, self.weight))
+
+
+class VocabParallelEmbedding(nn.Module):
+    def __init__(self, vocab_size: int, hidden_size: int):
+        super().__init__()
+        tp = get_tp()
+        self.vocab_size = vocab_size
+        self.start, self.count, padded = vocab_shard(vocab_size, tp.size, tp.rank)
+        self.weight = nn.Parameter(torch.zeros(padded, hidden_size), requires_grad=False)
+        self.weight.weight_loader = self._load
+
+    def _load(self, param: torch.Tensor, full: torch.Tensor, shard_id: int | None = None) -> None:
+        _full_rows(full, self.vocab_size, "vocabulary")
+        _copy_checked(param.data[: self.count], full.narrow(0, self.start, self.count), "vocabulary")
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        tp = get_tp()
+        if tp.size == 1:
+            return F.embedding(ids, self.weight)
+        mine = (ids >= self.start) & (ids < self.start + self.count)
+        out = F.embedding(torch.where(mine, ids - self.start, 0), self.weight)
+        return tp.all_reduce(out * mine.unsqueeze(-1).to(out.dtype))
+
+
+class ParallelLMHead(VocabParallelEmbedding):
+    """Logits of this rank's vocab slice, gathered so every rank ends with the full [n, vocab].
+    Tied to the embedding, it shares that weight (the same rows of the same slice)."""
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = get_tp().all_gather_last(F.linear(hidden, self.weight))
+        return logits[..., : self.vocab_size]
