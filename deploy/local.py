@@ -76,3 +76,50 @@ class WorkerProcess:
                 self.proc.wait(20)
             except subprocess.TimeoutExpired:
                 self.kill()
+
+
+class LocalRedis:
+    """A redis-server child process on a free loopback port, no persistence: `kvcascade serve
+    --workers N` uses one when no --redis-url is given, so Ray workers share a registry and index."""
+
+    def __init__(self, workdir: str | None = None):
+        import shutil
+
+        binary = shutil.which("redis-server")
+        if binary is None:
+            raise FileNotFoundError("redis-server is not installed (apt-get install -y redis-server); "
+                                    "or pass --redis-url")
+        self.binary = binary
+        self.port = free_port()
+        self.workdir = workdir or tempfile.mkdtemp(prefix="kvcascade-redis-")
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def start(self, timeout: float = 10.0) -> "LocalRedis":
+        self.proc = subprocess.Popen(
+            [self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+             "--dir", self.workdir], stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT,
+            start_new_session=True)  # a Ctrl-C to the terminal's group must not stop it before the drain
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                with socket.create_connection(("127.0.0.1", self.port), timeout=0.2) as s:
+                    s.sendall(b"PING\r\n")
+                    if s.recv(16).startswith(b"+PONG"):
+                        return self
+            except OSError:
+                time.sleep(0.05)
+        self.stop()
+        raise TimeoutError(f"redis-server on port {self.port} did not answer in {timeout}s")
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(5)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+        self.proc = None

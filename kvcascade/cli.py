@@ -167,6 +167,13 @@ def build_parser() -> argparse.ArgumentParser:
         _add_state_flags(sub)
     for sub in (serve, router):
         _add_router_flags(sub)
+    group = serve.add_argument_group("Ray (workers as actors; README: 'Ray and tensor parallelism')")
+    group.add_argument("--workers", type=int, metavar="N",
+                       help="run N workers (per model) as Ray actor groups, each on --tp GPUs or CPU ranks of one "
+                            "node, behind the router in this process (default: one embedded worker, no Ray)")
+    group.add_argument("--address", metavar="RAY_ADDRESS",
+                       help="join this Ray cluster (host:port of its head) instead of starting a local one; "
+                            "needs --redis-url that every node reaches")
     group = worker.add_argument_group("registration")
     group.add_argument("--worker-id", help="stable id of this worker (default: hostname-port)")
     group.add_argument("--advertise-address", help="host:port routers dial (default: --host:--port)")
@@ -207,7 +214,20 @@ async def _run(args: argparse.Namespace) -> None:
                                   redis_url=args.redis_url, policy=args.policy,
                                   api_keys=[*args.api_keys, *api_keys_from_env()], key_prefix=args.key_prefix,
                                   cascade=args.cascade)
-            if args.command == "serve":
+            if args.command == "serve" and (args.workers or args.address):
+                from deploy.ray_serve import start_ray_workers
+
+                if ropts.redis_url is None:
+                    from deploy.local import LocalRedis
+
+                    redis = LocalRedis().start()
+                    running.on_stop(redis.stop)
+                    ropts.redis_url = redis.url
+                await start_ray_workers(_serve_engine_configs(args), args.workers or 1, running,
+                                        address=args.address, redis_url=ropts.redis_url, key_prefix=args.key_prefix,
+                                        grace_s=args.grace_period)
+                await start_router(ropts, running, grace_s=args.grace_period)
+            elif args.command == "serve":
                 from router.state import connect_state
 
                 registry, index = connect_state(args.redis_url, args.key_prefix)
@@ -235,6 +255,20 @@ def _serve_engine_configs(args: argparse.Namespace) -> list[EngineConfig]:
 
     base = engine_config(args)
     return [dataclasses.replace(base, model=model) for model in load_cascade(args.cascade).models]
+
+
+def _check_tp(config: EngineConfig) -> None:
+    """Refuse a --tp the model cannot be split into, before any rank starts."""
+    if config.tensor_parallel_size == 1:
+        return
+    from worker.distributed.partition import check_tp
+    from worker.models.loader import load_config, resolve_model
+
+    cfg = load_config(resolve_model(config.model))
+    try:
+        check_tp(cfg.num_heads, cfg.num_kv_heads, cfg.intermediate_size, config.tensor_parallel_size)
+    except ValueError as err:
+        raise ValueError(f"--tp {config.tensor_parallel_size}: {err}") from None
 
 
 # --- generate ---------------------------------------------------------------------------------
@@ -299,6 +333,16 @@ def main(argv: list[str] | None = None) -> int:
 
         try:
             load_cascade(args.cascade)
+        except ValueError as err:
+            parser.error(str(err))
+    if args.command == "serve" and args.workers is not None and args.workers < 1:
+        parser.error("--workers must be >= 1")
+    if args.command == "serve" and args.address and not args.redis_url:
+        parser.error("--address needs --redis-url: workers on other nodes register there")
+    if args.command != "router":
+        try:
+            for config in _serve_engine_configs(args) if args.command == "serve" else [engine_config(args)]:
+                _check_tp(config)
         except ValueError as err:
             parser.error(str(err))
     if args.command == "router" and not args.redis_url:

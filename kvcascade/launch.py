@@ -34,6 +34,8 @@ class WorkerOptions:
     # Exit the process when the engine loop or a tensor-parallel rank dies, so its supervisor
     # (Kubernetes, Ray) restarts it whole; always on with tensor parallelism.
     exit_on_failure: bool = False
+    advertise_host: str | None = None  # routers dial advertise_host:<the port bound> (port 0 included)
+    grace_s: float = 5.0  # seconds requests under way get to finish when the worker stops
 
 
 @dataclass
@@ -68,17 +70,21 @@ class Running:
 
 
 async def start_worker(config: EngineConfig, opts: WorkerOptions, running: Running, *, registry=None,
-                       index=None, grace_s: float = 5.0, engine=None):
-    """Start one worker: engine, gRPC server and, with shared state, its publisher. Returns the server."""
+                       index=None, grace_s: float | None = None, engine=None, ranks=None):
+    """Start one worker: engine, gRPC server and, with shared state, its publisher. Returns the server.
+
+    With ``config.tensor_parallel_size`` > 1 this process is rank 0 and ``ranks`` starts the others
+    (worker/distributed/ranks.LocalRanks, child processes, by default; the Ray worker passes its own)."""
+    grace_s = opts.grace_s if grace_s is None else grace_s
     from worker.engine.async_engine import AsyncEngine
     from worker.engine.llm_engine import LLMEngine
     from worker.server import WorkerServer
 
-    ranks = None
     if engine is None and config.tensor_parallel_size > 1:
-        from worker.distributed.ranks import LocalRanks
+        if ranks is None:
+            from worker.distributed.ranks import LocalRanks
 
-        ranks = LocalRanks(config)
+            ranks = LocalRanks(config)
         config = await asyncio.to_thread(ranks.start)
         running.on_stop(ranks.stop)  # last: after the engine has released them
     async_engine = AsyncEngine(engine or await asyncio.to_thread(LLMEngine, config))
@@ -99,7 +105,8 @@ async def start_worker(config: EngineConfig, opts: WorkerOptions, running: Runni
     if registry is not None:
         from worker.registration import WorkerPublisher
 
-        address = opts.advertise_address or server.address
+        address = opts.advertise_address or (f"{opts.advertise_host}:{server.port}" if opts.advertise_host
+                                             else server.address)
         publisher = WorkerPublisher(async_engine, registry, index,
                                     worker_id=opts.worker_id or f"{socket.gethostname()}-{server.port}",
                                     address=address, model_source=config.model, ttl_s=opts.heartbeat_ttl_s)

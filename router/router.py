@@ -112,6 +112,9 @@ class Router:
         self.cached_tokens_total = 0
         self._last_workers: list[WorkerInfo] = []
         self._state_ok = True
+        # (worker_id, epoch) -> when a call to it failed as if it were gone: it gets no traffic until
+        # it heartbeats after that (a restarted worker comes back under a new epoch, at once).
+        self._down: dict[tuple[str, str], float] = {}
         self.cascade = cascade  # None: no cascade; its config may change between requests (reload)
         if cascade is not None:
             cascade.on_reload = lambda result: self.metrics.cascade_reloads.labels(result).inc()
@@ -142,6 +145,7 @@ class Router:
             self._state_failed("worker registry", exc)
             return list(self._last_workers)
         self._state_answered()
+        workers = self._without_down(workers)
         self._last_workers = workers
         self.metrics.workers_live.set(len(workers))
         for w in workers:
@@ -149,6 +153,30 @@ class Router:
             self.metrics.worker_waiting.labels(w.worker_id).set(w.load.waiting)
             self.metrics.worker_kv_free.labels(w.worker_id).set(w.load.kv_blocks_free)
         return workers
+
+    def _without_down(self, workers: list[WorkerInfo]) -> list[WorkerInfo]:
+        listed = {(w.worker_id, w.epoch) for w in workers}
+        for key in [k for k in self._down if k not in listed]:
+            del self._down[key]  # expired or replaced by a new epoch
+        up = []
+        for w in workers:
+            down_at = self._down.get((w.worker_id, w.epoch))
+            if down_at is not None and w.last_seen <= down_at:
+                continue
+            if down_at is not None:
+                log.info("worker %s heartbeats again; sending it requests", w.worker_id)
+                del self._down[(w.worker_id, w.epoch)]
+            up.append(w)
+        return up
+
+    def mark_down(self, worker: WorkerInfo, why: str) -> None:
+        """Stop sending to ``worker`` now, not when its registration expires."""
+        if (worker.worker_id, worker.epoch) not in self._down:
+            log.warning("worker %s (epoch %s) is down (%s): no requests until it heartbeats again",
+                        worker.worker_id, worker.epoch, why)
+        self._down[(worker.worker_id, worker.epoch)] = time.time()
+        self._last_workers = [w for w in self._last_workers if w.worker_id != worker.worker_id
+                              or w.epoch != worker.epoch]
 
     async def sweep(self) -> list[str]:
         """Drop index entries of workers that are no longer live (they never match, but use memory)."""
@@ -278,6 +306,8 @@ class Router:
                 return
             except grpc.aio.AioRpcError as err:
                 code = err.code()
+                if code == grpc.StatusCode.UNAVAILABLE:  # unreachable, or its engine stopped
+                    self.mark_down(worker, err.details() or code.name)
                 if first_at is not None:  # tokens went out: cannot move the request now
                     raise RouterError(grpc.StatusCode.UNAVAILABLE,
                                       f"worker {worker.worker_id} failed mid-stream: {err.details()}") from None

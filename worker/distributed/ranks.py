@@ -25,7 +25,6 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
 
 from worker.engine.config import EngineConfig
 
@@ -79,7 +78,6 @@ class LocalRanks:
         self.config = config
         self.procs: list[subprocess.Popen] = []
         self.init_method = f"tcp://127.0.0.1:{free_port()}"
-        self._stopping = False
 
     def start(self) -> EngineConfig:
         """Spawn the ranks and join the group as rank 0 (returns once every rank has joined); the
@@ -114,21 +112,8 @@ class LocalRanks:
                 return f"tensor-parallel rank {rank} exited with code {proc.returncode}"
         return None
 
-    def watch(self, on_death: Callable[[str], None], poll_s: float = 0.5) -> None:
-        """Call ``on_death(reason)`` (from a thread) when a rank exits before ``stop``."""
-        def run() -> None:
-            while not self._stopping:
-                reason = self.dead_rank()
-                if reason is not None and not self._stopping:
-                    on_death(reason)
-                    return
-                time.sleep(poll_s)
-
-        threading.Thread(target=run, name="rank-watch", daemon=True).start()
-
     def stop(self, timeout_s: float = 10.0) -> None:
         """After rank 0's engine closed (the ranks leave their loop): wait for them, then make sure."""
-        self._stopping = True
         deadline = time.monotonic() + timeout_s
         for proc in self.procs:
             try:
