@@ -75,8 +75,10 @@ def test_worker_flags_are_the_clis(rendered):
         assert flag(args_after_script(c), f"--{name}") == str(value)
     # Running requests get the grace period; the kubelet's SIGKILL comes later.
     assert args.grace_period < rendered.pods("worker")[0]["spec"]["terminationGracePeriodSeconds"]
-    # --tp is issue 5's flag, not in the CLI yet: passed only for more than one GPU.
-    assert unknown == (["--tp", str(w["tp"])] if w["tp"] > 1 else [])
+    # One rank per GPU of the pod; --tp is passed only for more than one.
+    assert unknown == []
+    assert getattr(args, "tensor_parallel_size", 1) == w["tp"]
+    assert ("--tp" in args_after_script(c)) == (w["tp"] > 1)
 
 
 def test_schema_engine_flags_are_the_clis():
@@ -85,7 +87,7 @@ def test_schema_engine_flags_are_the_clis():
 
     schema = json.loads((CHART / "values.schema.json").read_text())
     engine = set(schema["properties"]["workers"]["properties"]["engine"]["properties"])
-    cli = {spec.flag.removeprefix("--") for spec in _ENGINE_FLAGS} - {"model", "device"}
+    cli = {spec.flag.removeprefix("--") for spec in _ENGINE_FLAGS} - {"model", "device", "tp"}  # workers.tp
     assert engine == cli, f"values.schema.json workers.engine: add {sorted(cli - engine)}, drop {sorted(engine - cli)}"
 
 
