@@ -164,3 +164,70 @@ def _children(pid: int) -> list[int]:
         except (OSError, ValueError):
             continue
     return kids
+
+
+# --- shard-by-shard loading -----------------------------------------------------------------------
+
+
+@pytest.fixture
+def as_rank():
+    """Build models as rank r of n in this process (construction and loading use no collectives)."""
+    from worker.distributed import group
+
+    saved = group._group
+
+    def set_rank(rank: int, size: int) -> None:
+        group._group = group.TPGroup(rank, size)
+
+    yield set_rank
+    group._group = saved
+
+
+def test_each_rank_loads_only_its_shard(as_rank):
+    import torch
+
+    from worker.models.llama import LlamaForCausalLM
+    from worker.models.loader import iter_weights, load_config, resolve_model
+
+    src = resolve_model("smollm2-135m")
+    cfg = load_config(src)
+    full = dict(iter_weights(src))
+    total = sum(t.numel() for t in full.values())
+    shards = []
+    for rank in (0, 1):
+        as_rank(rank, 2)
+        model = LlamaForCausalLM(cfg)
+        model.load_weights(iter_weights(src))
+        shards.append(model)
+        held = sum(p.numel() for p in model.parameters())
+        assert held < 0.6 * total, f"rank {rank} holds {held / total:.0%} of the model"
+    hd = cfg.head_dim
+    q = full["model.layers.3.self_attn.q_proj.weight"]
+    k = full["model.layers.3.self_attn.k_proj.weight"]
+    down = full["model.layers.3.mlp.down_proj.weight"]
+    r0, r1 = (m.model.layers[3] for m in shards)
+    # rank 0: query heads 0-5 and KV heads 0-1; rank 1: query heads 6-8 and KV head 2
+    assert torch.equal(r0.self_attn.qkv_proj.weight[: 6 * hd], q[: 6 * hd])
+    assert torch.equal(r1.self_attn.qkv_proj.weight[: 3 * hd], q[6 * hd:])
+    assert torch.equal(r1.self_attn.qkv_proj.weight[3 * hd: 4 * hd], k[2 * hd:])
+    assert torch.equal(r0.mlp.down_proj.weight, down[:, : cfg.intermediate_size // 2])
+    assert torch.equal(r1.self_attn.o_proj.weight, full["model.layers.3.self_attn.o_proj.weight"][:, 6 * hd:])
+    emb = full["model.embed_tokens.weight"]
+    assert torch.equal(shards[1].model.embed_tokens.weight[: emb.shape[0] // 2], emb[emb.shape[0] // 2:])
+    assert shards[1].lm_head.weight is shards[1].model.embed_tokens.weight  # tied: one slice
+
+
+def test_a_checkpoint_of_another_shape_is_refused_naming_the_tensor(as_rank):
+    import torch
+
+    from worker.models.config import ModelConfig, PRESETS
+    from worker.models.llama import LlamaForCausalLM
+    from worker.models.loader import iter_dummy_weights
+
+    cfg = ModelConfig(**PRESETS["tiny"])
+    as_rank(1, 2)
+    model = LlamaForCausalLM(cfg)
+    weights = dict(iter_dummy_weights(cfg, seed=0))
+    weights["model.layers.1.self_attn.k_proj.weight"] = torch.zeros(3 * cfg.head_dim, cfg.hidden_size)
+    with pytest.raises(ValueError, match="model.layers.1.self_attn.k_proj.weight: k_proj: checkpoint has 48 rows"):
+        model.load_weights(weights.items())
