@@ -14,6 +14,9 @@ class EngineConfig:
     dtype: str = "float32"  # float32 | bfloat16 | float16
     attention_backend: str = "auto"  # auto: triton on CUDA, torch elsewhere
     cuda_graphs: bool = True  # decode steps replay captured graphs (CUDA only)
+    # Launch decode step N+1 before reading step N's tokens, so the host's scheduling and
+    # bookkeeping overlap the device (llm_engine.py: "the lookahead"). None: on for CUDA.
+    async_scheduling: bool | None = None
     # CUDA: the share of GPU memory the engine may use; the KV pool gets what the weights and a
     # warm-up forward at the full token budget leave of it (kv_cache_bytes is then ignored).
     gpu_memory_utilization: float = 0.9
@@ -46,5 +49,7 @@ class EngineConfig:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
+        if self.async_scheduling is None:
+            self.async_scheduling = self.device.startswith("cuda")
         if self.attention_backend == "auto":
             self.attention_backend = "triton" if self.device.startswith("cuda") else "torch"

@@ -37,10 +37,13 @@ class DecodeGraphs:
         self.slots = torch.full((n,), -1, dtype=torch.long, device=device)
         self.tables = torch.zeros(n, self.width, dtype=torch.int32, device=device)
         self.ctx = torch.zeros(n, dtype=torch.int32, device=device)
-        # Host staging in pinned memory: one async copy per buffer per step.
-        self.h_tables = torch.zeros(n, self.width, dtype=torch.int32).pin_memory()
-        self.h_vec = torch.zeros(3, n, dtype=torch.long).pin_memory()  # ids, positions, slots
-        self.h_ctx = torch.zeros(n, dtype=torch.int32).pin_memory()
+        # Host staging in pinned memory: one async copy per buffer per step. Two sets, used in
+        # turn: with the lookahead the host fills step N+1's while step N's copies may still be
+        # queued; step N-1's (the same set) have been read by then, since its tokens were.
+        self.staging = [(torch.zeros(n, self.width, dtype=torch.int32).pin_memory(),
+                         torch.zeros(3, n, dtype=torch.long).pin_memory(),  # ids, positions, slots
+                         torch.zeros(n, dtype=torch.int32).pin_memory()) for _ in range(2)]
+        self._turn = 0
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         pool = None
         for size in sorted(self.sizes, reverse=True):  # largest first: later ones reuse its memory
@@ -64,27 +67,31 @@ class DecodeGraphs:
         return 0 < num_decodes <= self.sizes[-1]
 
     def run(self, ids: list[int], positions: list[int], slots: list[int], tables: list[list[int]],
-            context_lens: list[int]) -> torch.Tensor:
-        """Logits [b, vocab] of one decode step of b sequences."""
+            context_lens: list[int], ids_device: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits [b, vocab] of one decode step of b sequences (``ids_device``: the ids, on the device)."""
         b = len(ids)
         size = next(s for s in self.sizes if s >= b)
-        vec = self.h_vec.numpy()
+        h_tables, h_vec, h_ctx = self.staging[self._turn]
+        self._turn ^= 1
+        vec = h_vec.numpy()
         vec[0, :size] = 0
         vec[1, :size] = 0
         vec[2, :size] = -1
         vec[0, :b], vec[1, :b], vec[2, :b] = ids, positions, slots
-        t = self.h_tables.numpy()
+        t = h_tables.numpy()
         t[:size] = 0
         for i, row in enumerate(tables):
             t[i, : len(row)] = row
-        c = self.h_ctx.numpy()
+        c = h_ctx.numpy()
         c[:size] = 0
         c[:b] = context_lens
-        self.ids[:size].copy_(self.h_vec[0, :size], non_blocking=True)
-        self.positions[:size].copy_(self.h_vec[1, :size], non_blocking=True)
-        self.slots[:size].copy_(self.h_vec[2, :size], non_blocking=True)
-        self.tables[:size].copy_(self.h_tables[:size], non_blocking=True)
-        self.ctx[:size].copy_(self.h_ctx[:size], non_blocking=True)
+        self.ids[:size].copy_(h_vec[0, :size], non_blocking=True)
+        if ids_device is not None:
+            self.ids[:b].copy_(ids_device)
+        self.positions[:size].copy_(h_vec[1, :size], non_blocking=True)
+        self.slots[:size].copy_(h_vec[2, :size], non_blocking=True)
+        self.tables[:size].copy_(h_tables[:size], non_blocking=True)
+        self.ctx[:size].copy_(h_ctx[:size], non_blocking=True)
         graph, logits = self.graphs[size]
         graph.replay()
         return logits[:b]

@@ -4,6 +4,19 @@
     sampled = model_runner.run(batch)
     outputs = postprocess(batch, sampled)
 
+The lookahead (``async_scheduling``, on for CUDA): while the decode steps of greedy requests run,
+the host never waits for the device between them. Step N is launched and left unread; the next
+call schedules step N+1 for the same sequences (their next input is N's token, still on the
+device), launches it, and only then reads N's tokens and post-processes them:
+
+    host:    launch N | schedule+launch N+1, read N, postprocess N | schedule+launch N+2, read N+1 ...
+    device:  ..... N ..........|............ N+1 ..................|............ N+2 .........
+
+A sequence that N's token finishes (EOS, a stop string) was computed once more in N+1 for
+nothing; that result is dropped (its blocks are already freed, and the write lands in a block no
+one else can hold before N+1 ends, since the device runs steps in order). Anything else -- waiting
+requests, prefill chunks, sampled or logprob requests, a full pool -- takes the plain step.
+
 AsyncEngine (async_engine.py) drives it from a background thread for servers.
 """
 
@@ -12,6 +25,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
+from dataclasses import dataclass
 
 import torch
 
@@ -20,7 +34,7 @@ from worker.engine.block_manager import BlockManager
 from worker.engine.config import EngineConfig
 from worker.engine.detokenizer import take_text_delta, update_text
 from worker.engine.errors import InvalidRequestError
-from worker.engine.model_runner import DTYPES, ModelRunner, cuda_kv_blocks, kv_bytes_per_block
+from worker.engine.model_runner import DTYPES, ModelRunner, PendingTokens, cuda_kv_blocks, kv_bytes_per_block
 from worker.engine.outputs import EngineStats, RequestOutput, Usage
 from worker.engine.sampling_params import SamplingParams
 from worker.engine.scheduler import ScheduledSeq, Scheduler
@@ -51,6 +65,7 @@ class LLMEngine:
         self.scheduler = Scheduler(self.block_manager, config.max_num_batched_tokens, config.max_num_seqs)
         self.requests: dict[str, Sequence] = {}
         self._ids = itertools.count()
+        self._inflight: _InFlight | None = None  # the lookahead's launched, unread step
         log.info("engine ready: model=%s blocks=%d x %d tokens, max_model_len=%d",
                  self.model_id, num_blocks, config.block_size, self.max_model_len)
 
@@ -110,15 +125,23 @@ class LLMEngine:
         return self._final_output(seq)
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or self._inflight is not None
 
     # --- the step --------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
+        if self._inflight is not None:
+            return self._step_ahead()
         batch, overflow = self.scheduler.schedule()
         outputs = [self._finish(seq, "length") for seq in overflow]
         if not batch:
             return outputs
+        if self._can_look_ahead(batch):
+            try:
+                self._inflight = _InFlight(batch, self.runner.launch(self.runner.prepare(batch)))
+                return outputs
+            except Exception as exc:
+                return outputs + self._fail(batch, exc)
         try:
             sampled = self.runner.run(batch)
         except Exception as exc:  # a failed step fails its batch, never the engine...
@@ -126,16 +149,61 @@ class LLMEngine:
                 # ...except under tensor parallelism: the ranks may now disagree on where they are
                 # in the step's collectives, and only a restart of all of them is safe.
                 raise
-            log.exception("step failed; failing its %d requests", len(batch))
-            return outputs + [self._finish(item.seq, "error", error=f"{type(exc).__name__}: {exc}")
-                              for item in batch]
+            return outputs + self._fail(batch, exc)
         return outputs + self._postprocess(batch, sampled)
+
+    def _fail(self, batch: list[ScheduledSeq], exc: Exception) -> list[RequestOutput]:
+        log.error("step failed; failing its %d requests", len(batch), exc_info=exc)
+        return [self._finish(item.seq, "error", error=f"{type(exc).__name__}: {exc}")
+                for item in batch if not item.seq.finished]
+
+    # --- the lookahead (module docstring) ----------------------------------------------------
+
+    def _can_look_ahead(self, batch: list[ScheduledSeq]) -> bool:
+        return (self.config.async_scheduling and self.runner.tp.size == 1 and not self.scheduler.waiting
+                and all(it.num_new_tokens == 1 and it.samples and it.seq.params.greedy
+                        and it.seq.params.logprobs is None for it in batch))
+
+    def _schedule_ahead(self, batch: list[ScheduledSeq]) -> list[ScheduledSeq]:
+        """Step N+1 for the sequences of step N (in flight), each one token further; [] when the
+        plain step should take over (requests waiting to be admitted, or no room in the pool)."""
+        if self.scheduler.waiting:
+            return []
+        ahead = []
+        for item in batch:
+            seq = item.seq
+            if seq.finished:  # aborted while in flight
+                continue
+            # After N, seq holds num_tokens + 1 tokens; N's token may be its last.
+            if seq.num_output_tokens + 1 >= seq.params.max_tokens or seq.num_tokens + 1 >= self.max_model_len:
+                continue
+            # Room for the pending token at position num_tokens (computed: num_tokens - 1, plus 2).
+            if not self.block_manager.allocate(seq, 2):
+                return []  # blocks taken for the others stay theirs: the plain step uses them
+            ahead.append(ScheduledSeq(seq, 1))
+        return ahead
+
+    def _step_ahead(self) -> list[RequestOutput]:
+        current, self._inflight = self._inflight, None
+        ahead = self._schedule_ahead(current.batch)
+        try:
+            if ahead:
+                prev_rows = {id(it.seq): i for i, it in enumerate(current.batch)}
+                inputs = self.runner.prepare_ahead([it.seq for it in ahead], [prev_rows[id(it.seq)] for it in ahead])
+                self._inflight = _InFlight(ahead, self.runner.launch(inputs, current.tokens.device))
+            tokens = current.tokens.tolist()  # waits for step N only: N+1 is queued behind it
+        except Exception as exc:
+            self._inflight = None
+            return self._fail(current.batch + ahead, exc)
+        return self._postprocess(current.batch, [(t, None) for t in tokens])
 
     def _postprocess(self, batch: list[ScheduledSeq], sampled) -> list[RequestOutput]:
         outputs = []
         now = time.monotonic()
         for item, result in zip(batch, sampled):
             seq = item.seq
+            if seq.finished:  # aborted, or finished by the step before (a lookahead step's extra)
+                continue
             seq.num_computed_tokens += item.num_new_tokens
             self.block_manager.cache_full_blocks(seq)
             if result is None:
@@ -238,6 +306,12 @@ def build_model(config: EngineConfig, source, model_cfg: ModelConfig) -> LlamaFo
     else:
         model.load_weights(iter_weights(source))
     return model
+
+
+@dataclass
+class _InFlight:
+    batch: list[ScheduledSeq]
+    tokens: PendingTokens  # its greedy tokens, one per sequence, not yet read
 
 
 def _max_model_len(config: EngineConfig, model_cfg: ModelConfig) -> int:

@@ -49,6 +49,8 @@ class StepInputs:
     block_tables: list[list[int]]
     num_decodes: int
     sample_rows: list[int]  # rows of the flat batch whose logits are sampled
+    # The lookahead: input ids are the previous step's tokens at these rows (still on the device).
+    prev_rows: list[int] | None = None
 
 
 class ModelRunner:
@@ -108,14 +110,42 @@ class ModelRunner:
         return StepInputs(input_ids, positions, slots, query_start, context_lens, block_tables, num_decodes,
                           sample_rows)
 
+    def prepare_ahead(self, seqs: list, prev_rows: list[int]) -> StepInputs:
+        """Decode inputs for sequences whose next input token is still on the device (the step
+        before has sampled it but nobody has read it): position = their known length."""
+        bs = self.block_size
+        positions = [s.num_tokens for s in seqs]
+        slots = [s.block_table[p // bs] * bs + p % bs for s, p in zip(seqs, positions)]
+        n = len(seqs)
+        return StepInputs([0] * n, positions, slots, list(range(n + 1)), [p + 1 for p in positions],
+                          [s.block_table for s in seqs], n, list(range(n)), prev_rows)
+
     @torch.inference_mode()
-    def execute(self, inputs: StepInputs) -> torch.Tensor | None:
+    def launch(self, inputs: StepInputs, prev_tokens: torch.Tensor | None = None) -> "PendingTokens":
+        """Enqueue one all-greedy step and return its tokens unread: the host goes on while the
+        device works. ``prev_tokens``: the step before's (on the device), feeding ``prev_rows``."""
+        ids = None
+        if inputs.prev_rows is not None:
+            rows = inputs.prev_rows
+            if rows == list(range(len(rows))):  # the usual case: nobody left the batch
+                ids = prev_tokens[: len(rows)]
+            else:
+                # Pinned and non-blocking: a pageable copy would wait for step N, undoing the overlap.
+                index = torch.tensor(rows)
+                if self.device.type == "cuda":
+                    index = index.pin_memory().to(self.device, non_blocking=True)
+                ids = prev_tokens.index_select(0, index)
+        logits = self.execute(inputs, ids)
+        return PendingTokens(logits.float().argmax(dim=-1))  # what sample() computes for greedy rows
+
+    @torch.inference_mode()
+    def execute(self, inputs: StepInputs, ids: torch.Tensor | None = None) -> torch.Tensor | None:
         """The forward pass of one step on this rank: logits [len(sample_rows), vocab], or None when
-        no row samples (every rank skips the LM head alike)."""
+        no row samples (every rank skips the LM head alike). ``ids``: input ids already on the device."""
         n = len(inputs.context_lens)
         if self.graphs is not None and inputs.num_decodes == n and self.graphs.fits(n):
             return self.graphs.run(inputs.input_ids, inputs.positions, inputs.slots, inputs.block_tables,
-                                   inputs.context_lens)
+                                   inputs.context_lens, ids)
         meta = AttentionMetadata(
             slot_mapping=torch.tensor(inputs.slots, dtype=torch.long, device=self.device),
             query_start=inputs.query_start,
@@ -127,7 +157,8 @@ class ModelRunner:
             backend=self.backend,
         )
         self.backend.prepare(meta, self.device)
-        ids = torch.tensor(inputs.input_ids, dtype=torch.long, device=self.device)
+        if ids is None:
+            ids = torch.tensor(inputs.input_ids, dtype=torch.long, device=self.device)
         pos_t = torch.tensor(inputs.positions, dtype=torch.long, device=self.device)
         with forward_context(meta):
             hidden = self.model(ids, pos_t)
@@ -156,6 +187,28 @@ class ModelRunner:
             if item.samples:
                 results[i] = next(it)
         return results
+
+
+class PendingTokens:
+    """A step's tokens on their way to the host. The copy is queued right behind the step, into
+    pinned memory, with an event: reading them waits for that step only. (A plain ``.tolist()``
+    would queue its copy behind whatever was launched since -- the next step -- and wait for it.)"""
+
+    def __init__(self, tokens: torch.Tensor):
+        self.device = tokens  # feeds the next step's input ids without a round trip
+        self._ready = None
+        if tokens.is_cuda:
+            self._host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+            self._host.copy_(tokens, non_blocking=True)
+            self._ready = torch.cuda.Event()
+            self._ready.record()
+        else:
+            self._host = tokens
+
+    def tolist(self) -> list[int]:
+        if self._ready is not None:
+            self._ready.synchronize()
+        return self._host.tolist()
 
 
 @torch.inference_mode()
