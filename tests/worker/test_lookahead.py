@@ -16,9 +16,9 @@ def _count_lookahead_launches(engine) -> list[int]:
     launches = [0]
     original = engine.runner.launch
 
-    def spy(inputs, prev_tokens=None):
+    def spy(inputs, seqs, prev_tokens=None):
         launches[0] += prev_tokens is not None
-        return original(inputs, prev_tokens)
+        return original(inputs, seqs, prev_tokens)
 
     engine.runner.launch = spy
     return launches
@@ -67,13 +67,24 @@ def test_abort_while_in_flight_frees_blocks_and_spares_the_others(make_engine, p
     assert engine.stats().kv_blocks_used == 0
 
 
-def test_sampled_requests_and_a_full_pool_take_the_plain_step(make_engine, prompt_ids, hf_reference):
-    seeded = SamplingParams(max_tokens=MAX_NEW, temperature=0.8, seed=7, ignore_eos=True)
-    plain = make_engine().generate(prompt_ids[:3], [GREEDY, seeded, GREEDY])
+def test_seeded_sampling_looks_ahead_and_logprobs_take_the_plain_step(make_engine, prompt_ids, hf_reference):
+    # Tokens are drawn on the device with each seeded request's own generator, so a seeded answer
+    # is the same with or without the lookahead (and whatever shares the batch).
+    seeded = [SamplingParams(max_tokens=MAX_NEW, temperature=0.8, top_p=0.9, seed=7 + i, ignore_eos=True)
+              for i in range(3)]
+    params = [GREEDY, seeded[0], GREEDY, seeded[1], seeded[2]]
+    plain = make_engine().generate(prompt_ids[:5], params)
     engine = make_engine(async_scheduling=True)
     launches = _count_lookahead_launches(engine)
-    assert engine.generate(prompt_ids[:3], [GREEDY, seeded, GREEDY]) == plain
+    assert engine.generate(prompt_ids[:5], params) == plain
+    assert launches[0] > 0
+    with_logprobs = SamplingParams(max_tokens=MAX_NEW, temperature=0, ignore_eos=True, logprobs=2)
+    launches[0] = 0
+    assert engine.generate(prompt_ids[:2], [GREEDY, with_logprobs]) == hf_reference[:2]
     assert launches[0] == 0
+
+
+def test_a_full_pool_takes_the_plain_step(make_engine, prompt_ids, hf_reference):
     # 20 blocks: the lookahead's allocation fails now and then, preemption happens in plain steps.
     tight = make_engine(async_scheduling=True, num_kv_blocks=20)
     assert tight.generate(prompt_ids, GREEDY) == hf_reference

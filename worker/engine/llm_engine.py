@@ -4,7 +4,7 @@
     sampled = model_runner.run(batch)
     outputs = postprocess(batch, sampled)
 
-The lookahead (``async_scheduling``, on for CUDA): while the decode steps of greedy requests run,
+The lookahead (``async_scheduling``, on for CUDA): while decode steps run (tokens drawn on the device),
 the host never waits for the device between them. Step N is launched and left unread; the next
 call schedules step N+1 for the same sequences (their next input is N's token, still on the
 device), launches it, and only then reads N's tokens and post-processes them:
@@ -15,7 +15,7 @@ device), launches it, and only then reads N's tokens and post-processes them:
 A sequence that N's token finishes (EOS, a stop string) was computed once more in N+1 for
 nothing; that result is dropped (its blocks are already freed, and the write lands in a block no
 one else can hold before N+1 ends, since the device runs steps in order). Anything else -- waiting
-requests, prefill chunks, sampled or logprob requests, a full pool -- takes the plain step.
+requests, prefill chunks, logprob requests, a full pool -- takes the plain step.
 
 AsyncEngine (async_engine.py) drives it from a background thread for servers.
 """
@@ -138,7 +138,8 @@ class LLMEngine:
             return outputs
         if self._can_look_ahead(batch):
             try:
-                self._inflight = _InFlight(batch, self.runner.launch(self.runner.prepare(batch)))
+                self._inflight = _InFlight(batch, self.runner.launch(self.runner.prepare(batch),
+                                                                     [it.seq for it in batch]))
                 return outputs
             except Exception as exc:
                 return outputs + self._fail(batch, exc)
@@ -161,8 +162,8 @@ class LLMEngine:
 
     def _can_look_ahead(self, batch: list[ScheduledSeq]) -> bool:
         return (self.config.async_scheduling and self.runner.tp.size == 1 and not self.scheduler.waiting
-                and all(it.num_new_tokens == 1 and it.samples and it.seq.params.greedy
-                        and it.seq.params.logprobs is None for it in batch))
+                and all(it.num_new_tokens == 1 and it.samples and it.seq.params.logprobs is None
+                        for it in batch))
 
     def _schedule_ahead(self, batch: list[ScheduledSeq]) -> list[ScheduledSeq]:
         """Step N+1 for the sequences of step N (in flight), each one token further; [] when the
@@ -190,7 +191,8 @@ class LLMEngine:
             if ahead:
                 prev_rows = {id(it.seq): i for i, it in enumerate(current.batch)}
                 inputs = self.runner.prepare_ahead([it.seq for it in ahead], [prev_rows[id(it.seq)] for it in ahead])
-                self._inflight = _InFlight(ahead, self.runner.launch(inputs, current.tokens.device))
+                self._inflight = _InFlight(ahead, self.runner.launch(inputs, [it.seq for it in ahead],
+                                                                     current.tokens.device))
             tokens = current.tokens.tolist()  # waits for step N only: N+1 is queued behind it
         except Exception as exc:
             self._inflight = None
@@ -311,7 +313,7 @@ def build_model(config: EngineConfig, source, model_cfg: ModelConfig) -> LlamaFo
 @dataclass
 class _InFlight:
     batch: list[ScheduledSeq]
-    tokens: PendingTokens  # its greedy tokens, one per sequence, not yet read
+    tokens: PendingTokens  # its tokens, one per sequence, not yet read
 
 
 def _max_model_len(config: EngineConfig, model_cfg: ModelConfig) -> int:

@@ -22,7 +22,7 @@ import torch
 from worker.distributed.group import get_tp
 from worker.engine.config import EngineConfig
 from worker.engine.outputs import TokenLogprob
-from worker.engine.sampler import sample
+from worker.engine.sampler import sample, sample_tokens
 from worker.engine.scheduler import ScheduledSeq
 from worker.models.attention import AttentionBackend, AttentionMetadata, forward_context
 from worker.models.config import ModelConfig
@@ -121,9 +121,10 @@ class ModelRunner:
                           [s.block_table for s in seqs], n, list(range(n)), prev_rows)
 
     @torch.inference_mode()
-    def launch(self, inputs: StepInputs, prev_tokens: torch.Tensor | None = None) -> "PendingTokens":
-        """Enqueue one all-greedy step and return its tokens unread: the host goes on while the
-        device works. ``prev_tokens``: the step before's (on the device), feeding ``prev_rows``."""
+    def launch(self, inputs: StepInputs, seqs: list, prev_tokens: torch.Tensor | None = None) -> "PendingTokens":
+        """Enqueue one step in which every sequence samples (none wants logprobs) and return its
+        tokens unread: the host goes on while the device works. ``prev_tokens``: the step
+        before's (on the device), feeding ``prev_rows``."""
         ids = None
         if inputs.prev_rows is not None:
             rows = inputs.prev_rows
@@ -136,7 +137,8 @@ class ModelRunner:
                     index = index.pin_memory().to(self.device, non_blocking=True)
                 ids = prev_tokens.index_select(0, index)
         logits = self.execute(inputs, ids)
-        return PendingTokens(logits.float().argmax(dim=-1))  # what sample() computes for greedy rows
+        return PendingTokens(sample_tokens(logits, [s.params for s in seqs],
+                                           [s.generator_on(logits.device) for s in seqs]))
 
     @torch.inference_mode()
     def execute(self, inputs: StepInputs, ids: torch.Tensor | None = None) -> torch.Tensor | None:
@@ -181,7 +183,8 @@ class ModelRunner:
     def _sample(self, batch: list[ScheduledSeq], logits: torch.Tensor) -> list[tuple[int, TokenLogprob | None] | None]:
         results: list[tuple[int, TokenLogprob | None] | None] = [None] * len(batch)
         samplers = [item for item in batch if item.samples]
-        tokens, logprobs = sample(logits, [s.seq.params for s in samplers], [s.seq.generator for s in samplers])
+        tokens, logprobs = sample(logits, [s.seq.params for s in samplers],
+                                  [s.seq.generator_on(logits.device) for s in samplers])
         it = iter(zip(tokens, logprobs))
         for i, item in enumerate(batch):
             if item.samples:

@@ -13,21 +13,35 @@ from worker.engine.outputs import TokenLogprob
 from worker.engine.sampling_params import SamplingParams
 
 
+def sample_tokens(logits: torch.Tensor, params: list[SamplingParams],
+                  generators: list[torch.Generator | None]) -> torch.Tensor:
+    """One token per row of ``logits`` [N, V], drawn where the logits are (no copy to the host, no
+    wait for the device): a tensor [N]. ``generators``: each row's own RNG (seeded requests), on
+    that device, or None for the device's default one."""
+    logits = logits.float()
+    tokens = logits.argmax(dim=-1)
+    sampled_rows = [i for i, p in enumerate(params) if not p.greedy]
+    if sampled_rows:
+        device = logits.device
+        rows = torch.tensor(sampled_rows)
+        temps = torch.tensor([params[i].temperature for i in sampled_rows])
+        if device.type == "cuda":  # pinned, non-blocking: a pageable copy would wait for the device
+            rows, temps = (t.pin_memory().to(device, non_blocking=True) for t in (rows, temps))
+        sub = logits[rows] / temps.unsqueeze(1)
+        sub = _apply_top_k(sub, [params[i].top_k for i in sampled_rows])
+        sub = _apply_top_p(sub, [params[i].top_p for i in sampled_rows])
+        probs = sub.softmax(dim=-1)
+        for j, i in enumerate(sampled_rows):
+            tokens[i] = torch.multinomial(probs[j], 1, generator=generators[i])[0]
+    return tokens
+
+
 def sample(
     logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]
 ) -> tuple[list[int], list[TokenLogprob | None]]:
     """One token per row of ``logits`` [N, V]; with it, its logprob entry when asked for."""
     logits = logits.float()
-    tokens = logits.argmax(dim=-1)
-    sampled_rows = [i for i, p in enumerate(params) if not p.greedy]
-    if sampled_rows:
-        rows = torch.tensor(sampled_rows, device=logits.device)
-        sub = logits[rows] / torch.tensor([params[i].temperature for i in sampled_rows], device=logits.device).unsqueeze(1)
-        sub = _apply_top_k(sub, [params[i].top_k for i in sampled_rows])
-        sub = _apply_top_p(sub, [params[i].top_p for i in sampled_rows])
-        probs = sub.softmax(dim=-1)
-        for j, i in enumerate(sampled_rows):
-            tokens[i] = torch.multinomial(probs[j].cpu(), 1, generator=generators[i]).item()
+    tokens = sample_tokens(logits, params, generators)
     token_list = tokens.tolist()
     want = [i for i, p in enumerate(params) if p.logprobs is not None]
     entries: list[TokenLogprob | None] = [None] * len(params)

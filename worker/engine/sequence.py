@@ -37,7 +37,7 @@ class Sequence:
     finish_reason: str | None = None
     error: str | None = None
     num_preemptions: int = 0
-    generator: torch.Generator | None = None  # per-request RNG when a seed is given
+    generator: torch.Generator | None = None  # per-request RNG when a seed is given (generator_on)
     # Detokenization and streaming state (see detokenizer.py)
     output_text: str = ""
     emitted_text_len: int = 0
@@ -49,8 +49,14 @@ class Sequence:
     def __post_init__(self) -> None:
         if not self.token_ids:
             self.token_ids = list(self.prompt_token_ids)
-        if self.params.seed is not None:
-            self.generator = torch.Generator().manual_seed(self.params.seed)
+
+    def generator_on(self, device: torch.device) -> torch.Generator | None:
+        """A seeded request's own RNG, on the device that samples it (made at its first draw)."""
+        if self.params.seed is None:
+            return None
+        if self.generator is None:
+            self.generator = torch.Generator(device=device).manual_seed(self.params.seed)
+        return self.generator
 
     @property
     def num_prompt_tokens(self) -> int:
