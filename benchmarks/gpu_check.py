@@ -31,7 +31,8 @@ def main() -> int:
     common = dict(model="dummy:smollm2-135m", device="cuda", dtype="float32", max_num_batched_tokens=256,
                   max_model_len=1024, max_num_seqs=16)
     t = time.perf_counter()
-    ref_engine = LLMEngine(EngineConfig(**common, attention_backend="torch", cuda_graphs=False, num_kv_blocks=512))
+    ref_engine = LLMEngine(EngineConfig(**common, attention_backend="torch", cuda_graphs=False, num_kv_blocks=512,
+                                        async_scheduling=False))
     # Both use the fused norm/rotary/activation kernels on CUDA (checked against their references
     # by benchmarks/kernels_gpu.py); what differs is the attention path and the CUDA graphs.
     ref = ref_engine.generate(prompts, sp)
@@ -46,7 +47,16 @@ def main() -> int:
             print(f"  prompt {i} (len {len(prompts[i])}) differs at token {first}: {a[first:first+4]} vs {b[first:first+4]}")
     fast_engine.check_integrity()
     print("graph sizes:", fast_engine.runner.graphs.sizes if fast_engine.runner.graphs else None)
-    return 0 if same == len(prompts) else 1
+    # Seeded sampling, drawn on the device: the same tokens with the lookahead and without it.
+    seeded = [SamplingParams(max_tokens=24, temperature=0.9, top_p=0.9, top_k=50, seed=i, ignore_eos=True,
+                             detokenize=False) for i in range(len(prompts))]
+    fast_engine.config.async_scheduling = False
+    plain = fast_engine.generate(prompts, seeded)
+    fast_engine.config.async_scheduling = True
+    ahead = fast_engine.generate(prompts, seeded)
+    sampled_same = sum(a == b for a, b in zip(plain, ahead))
+    print(f"seeded sampled sequences equal with and without the lookahead: {sampled_same}/{len(prompts)}")
+    return 0 if same == len(prompts) and sampled_same == len(prompts) else 1
 
 
 if __name__ == "__main__":
