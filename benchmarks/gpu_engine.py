@@ -113,7 +113,8 @@ def run_ours(args) -> dict:
     cfg, params, kv_per_token = shape_numbers()
     res = {"ceilings": ceilings, "params": params}
     common = dict(model=f"dummy:{PRESET}", device="cuda", dtype="bfloat16", max_model_len=args.max_model_len,
-                  max_num_batched_tokens=args.budget, max_num_seqs=256, gpu_memory_utilization=0.9)
+                  max_num_batched_tokens=args.budget, max_num_seqs=256, gpu_memory_utilization=0.9,
+                  cuda_graph_step=args.graph_step)
     t0 = time.perf_counter()
     engine = LLMEngine(EngineConfig(**common))
     res["startup_s"] = time.perf_counter() - t0
@@ -268,6 +269,7 @@ def main() -> None:
     ap.add_argument("--out", default=None)
     ap.add_argument("--max-model-len", type=int, default=4096)
     ap.add_argument("--budget", type=int, default=8192, help="max_num_batched_tokens")
+    ap.add_argument("--graph-step", type=int, default=32, help="cuda_graph_step: graph sizes above 64")
     ap.add_argument("--hf-requests", type=int, default=256, help="requests of workload (b) for transformers")
     ap.add_argument("--hf-skip-a", action="store_true", help="transformers: only workload (b)")
     args = ap.parse_args()

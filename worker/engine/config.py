@@ -14,6 +14,8 @@ class EngineConfig:
     dtype: str = "float32"  # float32 | bfloat16 | float16
     attention_backend: str = "auto"  # auto: triton on CUDA, torch elsewhere
     cuda_graphs: bool = True  # decode steps replay captured graphs (CUDA only)
+    # Graphs for batches 1, 2, 4, every 8 to 64, then every cuda_graph_step up to max_num_seqs.
+    cuda_graph_step: int = 32
     # Launch decode step N+1 before reading step N's tokens, so the host's scheduling and
     # bookkeeping overlap the device (llm_engine.py: "the lookahead"). None: on for CUDA.
     async_scheduling: bool | None = None
@@ -37,7 +39,7 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         positive = ("block_size", "kv_cache_bytes", "max_num_batched_tokens", "max_num_seqs", "max_queued_requests",
-                    "tensor_parallel_size")
+                    "tensor_parallel_size", "cuda_graph_step")
         for name in positive:
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")

@@ -15,22 +15,22 @@ import torch
 from worker.models.attention import AttentionMetadata, forward_context
 
 
-def graph_sizes(max_batch: int) -> list[int]:
-    """1, 2, 4, 8, then every 8 up to 64, then every 32: padding waste stays small where a step is
-    cheap, and the number of captures (each a compile and a warm-up) stays low."""
-    sizes = [1, 2, 4] + list(range(8, 65, 8)) + list(range(96, max_batch + 1, 32))
+def graph_sizes(max_batch: int, step: int = 32) -> list[int]:
+    """1, 2, 4, 8, then every 8 up to 64, then every ``step``: padding waste stays small where a
+    step is cheap, and the number of captures (each a compile and a warm-up) stays low."""
+    sizes = [1, 2, 4] + list(range(8, 65, 8)) + list(range(64 + step, max_batch + 1, step))
     return sorted({s for s in sizes if s < max_batch} | {max_batch})
 
 
 class DecodeGraphs:
     def __init__(self, model, kv_caches, backend, *, block_size: int, max_model_len: int, max_batch: int,
-                 num_kv_heads: int, device: torch.device):
+                 num_kv_heads: int, device: torch.device, size_step: int = 32):
         from kernels import default_num_splits
 
         self.model = model
         self.block_size = block_size
         self.width = -(-max_model_len // block_size)
-        self.sizes = graph_sizes(max_batch)
+        self.sizes = graph_sizes(max_batch, size_step)
         n = max(self.sizes)
         self.ids = torch.zeros(n, dtype=torch.long, device=device)
         self.positions = torch.zeros(n, dtype=torch.long, device=device)

@@ -76,7 +76,8 @@ class ModelRunner:
 
             self.graphs = DecodeGraphs(model, self.kv_caches, backend, block_size=config.block_size,
                                        max_model_len=max_model_len, max_batch=config.max_num_seqs,
-                                       num_kv_heads=model.kv_heads, device=self.device)
+                                       num_kv_heads=model.kv_heads, device=self.device,
+                                       size_step=config.cuda_graph_step)
 
     def run(self, batch: list[ScheduledSeq]) -> list[tuple[int, TokenLogprob | None] | None]:
         """One forward pass (rank 0); per scheduled sequence, its sampled token (None for a partial prefill)."""
