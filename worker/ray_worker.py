@@ -61,29 +61,14 @@ class RayRanks:
         self.refs: list = []
 
     def start(self) -> EngineConfig:
-        from worker.distributed.ranks import join_group
+        from worker.distributed.ranks import join_as_rank0
 
         opts = {"num_gpus": 1} if self.config.device.startswith("cuda") else {"num_cpus": 1}
         for rank in range(1, self.config.tensor_parallel_size):
             actor = RankActor.options(scheduling_strategy=in_bundle(self.pg, rank), **opts).remote()
             self.actors.append(actor)
             self.refs.append(actor.run.remote(self.config, rank, self.init_method))
-        error: list[BaseException] = []
-
-        def join() -> None:
-            try:
-                join_group(self.config, 0, self.init_method)
-            except BaseException as exc:
-                error.append(exc)
-
-        joiner = threading.Thread(target=join, name="tp-join", daemon=True)
-        joiner.start()
-        while joiner.is_alive():
-            joiner.join(0.2)
-            if joiner.is_alive() and (reason := self.dead_rank()) is not None:
-                raise RuntimeError(f"{reason} before joining the tensor-parallel group")
-        if error:
-            raise error[0]
+        join_as_rank0(self.config, self.init_method, self.dead_rank)
         return self.config
 
     def dead_rank(self) -> str | None:

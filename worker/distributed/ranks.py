@@ -25,6 +25,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 
 from worker.engine.config import EngineConfig
 
@@ -61,6 +62,27 @@ def run_rank(config: EngineConfig, rank: int, init_method: str) -> None:
         destroy_tp()
 
 
+def join_as_rank0(config: EngineConfig, init_method: str, dead_rank: Callable[[], str | None]) -> None:
+    """Join as rank 0 from a thread, so that a rank which dies before joining (``dead_rank`` says
+    why) fails the start at once rather than after the rendezvous timeout."""
+    error: list[BaseException] = []
+
+    def join() -> None:
+        try:
+            join_group(config, 0, init_method)
+        except BaseException as exc:  # handed to the starting thread
+            error.append(exc)
+
+    joiner = threading.Thread(target=join, name="tp-join", daemon=True)
+    joiner.start()
+    while joiner.is_alive():
+        joiner.join(0.2)
+        if joiner.is_alive() and (reason := dead_rank()) is not None:
+            raise RuntimeError(f"{reason} before joining the tensor-parallel group (its log says why)")
+    if error:
+        raise error[0]
+
+
 def exit_when_parent_dies(parent_pid: int, poll_s: float = 0.5) -> None:
     """A rank whose worker process died (even by SIGKILL) must not linger holding a GPU."""
     def watch() -> None:
@@ -89,20 +111,11 @@ class LocalRanks:
                  self.init_method, "--parent-pid", str(os.getpid()), "--config", payload],
                 env=dict(os.environ, PYTHONUNBUFFERED="1")))
         config = local_rank_config(self.config, 0)
-        # Join from a thread, so a rank that dies before joining fails the start at once, not
-        # after the rendezvous timeout.
-        joined: list[BaseException | None] = []
-        joiner = threading.Thread(target=lambda: joined.append(_call(join_group, config, 0, self.init_method)),
-                                  name="tp-join", daemon=True)
-        joiner.start()
-        while joiner.is_alive():
-            joiner.join(0.2)
-            if joiner.is_alive() and (reason := self.dead_rank()) is not None:
-                self.stop(timeout_s=0)
-                raise RuntimeError(f"{reason} before joining the tensor-parallel group (its log is above)")
-        if joined[0] is not None:
+        try:
+            join_as_rank0(config, self.init_method, self.dead_rank)
+        except BaseException:
             self.stop(timeout_s=0)
-            raise joined[0]
+            raise
         return config
 
     def dead_rank(self) -> str | None:
@@ -124,14 +137,6 @@ class LocalRanks:
         from worker.distributed.group import destroy_tp
 
         destroy_tp()
-
-
-def _call(fn, *args) -> BaseException | None:
-    try:
-        fn(*args)
-    except BaseException as exc:  # handed to the starting thread
-        return exc
-    return None
 
 
 def main(argv: list[str] | None = None) -> int:

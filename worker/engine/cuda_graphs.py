@@ -9,7 +9,6 @@ count is fixed per size at capture (decided from that width, never from device d
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 
 from worker.models.attention import AttentionMetadata, forward_context
