@@ -70,12 +70,11 @@ class Running:
 
 
 async def start_worker(config: EngineConfig, opts: WorkerOptions, running: Running, *, registry=None,
-                       index=None, grace_s: float | None = None, engine=None, ranks=None):
+                       index=None, engine=None, ranks=None):
     """Start one worker: engine, gRPC server and, with shared state, its publisher. Returns the server.
 
     With ``config.tensor_parallel_size`` > 1 this process is rank 0 and ``ranks`` starts the others
     (worker/distributed/ranks.LocalRanks, child processes, by default; the Ray worker passes its own)."""
-    grace_s = opts.grace_s if grace_s is None else grace_s
     from worker.engine.async_engine import AsyncEngine
     from worker.engine.llm_engine import LLMEngine
     from worker.server import WorkerServer
@@ -96,7 +95,7 @@ async def start_worker(config: EngineConfig, opts: WorkerOptions, running: Runni
         running.on_stop(watchdog.stop)  # first: a clean shutdown is not a failure
     server = WorkerServer(async_engine, opts.host, opts.port)
     await server.start()
-    running.on_stop(lambda: server.stop(grace_s))
+    running.on_stop(lambda: server.stop(opts.grace_s))
     if registry is None and opts.redis_url:
         from router.state import connect_state
 

@@ -108,7 +108,7 @@ class WorkerActor:
         if opts.host == "0.0.0.0" and not opts.advertise_host:  # other nodes dial this node's address
             opts = dataclasses.replace(opts, advertise_host=ray.util.get_node_ip_address())
         ranks = RayRanks(config, pg) if config.tensor_parallel_size > 1 else None
-        start = start_worker(config, opts, self._running, ranks=ranks, grace_s=opts.grace_s)
+        start = start_worker(config, opts, self._running, ranks=ranks)
         self._server = asyncio.run_coroutine_threadsafe(start, self._loop).result()
         log.info("ray worker %s ready on %s", opts.worker_id, self._server.address)
 

@@ -26,15 +26,15 @@ from worker.engine.sampler import sample, sample_tokens
 from worker.engine.scheduler import ScheduledSeq
 from worker.models.attention import AttentionBackend, AttentionMetadata, forward_context
 from worker.models.config import ModelConfig
+from worker.models.transfer import to_device
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def kv_bytes_per_block(model_cfg: ModelConfig, block_size: int, dtype: torch.dtype, kv_heads: int | None = None) -> int:
-    """Bytes of one KV block on one rank (``kv_heads``: this rank's share; default all of them)."""
+def kv_bytes_per_block(model_cfg: ModelConfig, block_size: int, dtype: torch.dtype, kv_heads: int) -> int:
+    """Bytes of one KV block on one rank (``kv_heads``: this rank's share of the KV heads)."""
     itemsize = torch.tensor([], dtype=dtype).element_size()
-    heads = model_cfg.num_kv_heads if kv_heads is None else kv_heads
-    return 2 * model_cfg.num_layers * block_size * heads * model_cfg.head_dim * itemsize
+    return 2 * model_cfg.num_layers * block_size * kv_heads * model_cfg.head_dim * itemsize
 
 
 @dataclass
@@ -131,12 +131,8 @@ class ModelRunner:
             rows = inputs.prev_rows
             if rows == list(range(len(rows))):  # the usual case: nobody left the batch
                 ids = prev_tokens[: len(rows)]
-            else:
-                # Pinned and non-blocking: a pageable copy would wait for step N, undoing the overlap.
-                index = torch.tensor(rows)
-                if self.device.type == "cuda":
-                    index = index.pin_memory().to(self.device, non_blocking=True)
-                ids = prev_tokens.index_select(0, index)
+            else:  # a non-blocking copy: one that waited for step N would undo the overlap
+                ids = prev_tokens.index_select(0, to_device(rows, self.device, torch.long))
         logits = self.execute(inputs, ids)
         return PendingTokens(sample_tokens(logits, [s.params for s in seqs],
                                            [s.generator_on(logits.device) for s in seqs]))

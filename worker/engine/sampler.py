@@ -11,6 +11,7 @@ import torch
 
 from worker.engine.outputs import TokenLogprob
 from worker.engine.sampling_params import SamplingParams
+from worker.models.transfer import to_device
 
 
 def sample_tokens(logits: torch.Tensor, params: list[SamplingParams],
@@ -23,10 +24,8 @@ def sample_tokens(logits: torch.Tensor, params: list[SamplingParams],
     sampled_rows = [i for i, p in enumerate(params) if not p.greedy]
     if sampled_rows:
         device = logits.device
-        rows = torch.tensor(sampled_rows)
-        temps = torch.tensor([params[i].temperature for i in sampled_rows])
-        if device.type == "cuda":  # pinned, non-blocking: a pageable copy would wait for the device
-            rows, temps = (t.pin_memory().to(device, non_blocking=True) for t in (rows, temps))
+        rows = to_device(sampled_rows, device, torch.long)
+        temps = to_device([params[i].temperature for i in sampled_rows], device, torch.float32)
         sub = logits[rows] / temps.unsqueeze(1)
         sub = _apply_top_k(sub, [params[i].top_k for i in sampled_rows])
         sub = _apply_top_p(sub, [params[i].top_p for i in sampled_rows])

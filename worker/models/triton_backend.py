@@ -13,13 +13,7 @@ from __future__ import annotations
 import torch
 
 from worker.models.attention import AttentionBackend, AttentionMetadata, register_attention_backend
-
-
-def _to_device(rows: list[list[int]] | list[int], device: torch.device, dtype=torch.int32) -> torch.Tensor:
-    t = torch.tensor(rows, dtype=dtype)
-    if device.type == "cuda":
-        return t.pin_memory().to(device, non_blocking=True)
-    return t
+from worker.models.transfer import to_device
 
 
 def pad_block_tables(tables: list[list[int]], width: int | None = None) -> list[list[int]]:
@@ -34,8 +28,8 @@ class TritonAttentionBackend(AttentionBackend):
     def prepare(self, meta: AttentionMetadata, device: torch.device) -> None:
         nd = meta.num_decodes
         n = len(meta.context_lens)
-        tables = _to_device(pad_block_tables(meta.block_tables), device)
-        ctx = _to_device(meta.context_lens, device)
+        tables = to_device(pad_block_tables(meta.block_tables), device)
+        ctx = to_device(meta.context_lens, device)
         meta.extra["decode_block_tables"] = tables[:nd]
         meta.extra["decode_context_lens"] = ctx[:nd]
         meta.extra["decode_num_splits"] = None  # let the kernel choose
@@ -43,7 +37,7 @@ class TritonAttentionBackend(AttentionBackend):
             qs = meta.query_start
             meta.extra["prefill_block_tables"] = tables[nd:]
             meta.extra["prefill_context_lens"] = ctx[nd:]
-            meta.extra["prefill_query_start"] = _to_device([q - qs[nd] for q in qs[nd:]], device)
+            meta.extra["prefill_query_start"] = to_device([q - qs[nd] for q in qs[nd:]], device)
 
     def forward(self, q, k, v, k_cache, v_cache, meta, scale):
         from kernels import paged_decode_attention, paged_prefill_attention, store_kv
