@@ -144,6 +144,8 @@ def run_ours(args) -> dict:
     res["a_floor_s"] = 2 * params / ceilings["copy_bandwidth_Bps"]  # the floor: all weight bytes
     # What a decode step must read: every weight but the embedding table (one row of it is read).
     res["a_floor_read_s"] = 2 * (params - cfg.vocab_size * cfg.hidden_size) / ceilings["copy_bandwidth_Bps"]
+    if args.only_a:
+        return res
 
     # (c) prefix-cache TTFT: 1,900 of 2,000 prompt tokens cached vs none.
     cached_seen: list[int] = []
@@ -270,12 +272,14 @@ def main() -> None:
     ap.add_argument("--max-model-len", type=int, default=4096)
     ap.add_argument("--budget", type=int, default=8192, help="max_num_batched_tokens")
     ap.add_argument("--graph-step", type=int, default=32, help="cuda_graph_step: graph sizes above 64")
+    ap.add_argument("--only-a", action="store_true", help="kvcascade: only (a)")
     ap.add_argument("--hf-requests", type=int, default=256, help="requests of workload (b) for transformers")
     ap.add_argument("--hf-skip-a", action="store_true", help="transformers: only workload (b)")
     args = ap.parse_args()
     res = run_ours(args) if args.part == "ours" else run_hf(args)
     res.update(part=args.part, gpu=torch.cuda.get_device_name(), torch=torch.__version__,
-               date=time.strftime("%Y-%m-%d"), command=" ".join(sys.argv))
+               date=time.strftime("%Y-%m-%d"), command=" ".join(sys.argv),
+               pdl=os.environ.get("KVCASCADE_PDL", "1") != "0")
     text = json.dumps(res, indent=2)
     print(text)
     if args.out:

@@ -3,11 +3,17 @@ graph replay alone vs the whole engine step, the host-side phases of a step, and
 kernels of one eager step (torch profiler). For finding the gap to the floor, not for records.
 
     python benchmarks/gpu_profile.py --batch 1 --batch 256
+    python benchmarks/gpu_profile.py --ttft      # a prefill step: host-bound or device-bound?
+
+``--ttft`` times the one step of a 2,000-token prompt, first with 1,888 of its tokens cached and
+then uncached (benchmark (c)): wall time against the sum of its kernels' time and the span from
+its first kernel's start to its last kernel's end.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import random
 import sys
 import time
@@ -26,10 +32,14 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--batch", type=int, action="append", default=[])
     ap.add_argument("--context", type=int, default=600)
+    ap.add_argument("--ttft", action="store_true", help="profile benchmark (c)'s prefill steps instead")
     args = ap.parse_args()
     eng = LLMEngine(EngineConfig(model="dummy:llama-3.1-8b", device="cuda", dtype="bfloat16", max_model_len=4096,
                                  max_num_batched_tokens=8192, max_num_seqs=256))
     rng = random.Random(0)
+    if args.ttft:
+        profile_ttft(eng, rng)
+        return
     sp = SamplingParams(max_tokens=400, temperature=0, ignore_eos=True, detokenize=False)
     for b in args.batch or [1, 256]:
         for _ in range(b):
@@ -82,6 +92,39 @@ def main() -> None:
         print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=12, max_name_column_width=60))
         for s in list(eng.scheduler.running):
             eng.abort_request(s.request_id)
+
+
+def profile_ttft(eng: LLMEngine, rng: random.Random) -> None:
+    def prompt(n: int) -> list[int]:
+        return [rng.randrange(1000, 100000) for _ in range(n)]
+
+    def one_step(tokens: list[int], label: str, profile: bool) -> None:
+        eng.add_request(tokens, SamplingParams(max_tokens=1, temperature=0, ignore_eos=True, detokenize=False))
+        torch.cuda.synchronize()
+        acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+        prof = torch.profiler.profile(activities=acts)
+        with prof if profile else contextlib.nullcontext():
+            t = time.perf_counter()
+            outs = eng.step()
+            torch.cuda.synchronize()
+            wall = time.perf_counter() - t
+        assert outs and outs[0].finished, "one step should prefill and sample the only token"
+        line = f"{label}: cached {outs[0].usage.cached_tokens}, wall {wall * 1e3:.2f} ms"
+        if profile:
+            kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+            busy = sum(e.time_range.elapsed_us() for e in kernels) / 1e3
+            span = (max(e.time_range.end for e in kernels) - min(e.time_range.start for e in kernels)) / 1e3
+            line += f", {len(kernels)} kernels: {busy:.2f} ms busy over a {span:.2f} ms span"
+        print(line, flush=True)
+
+    for _ in range(3):  # warm-up: Triton compiles, cuBLAS picks its kernels
+        one_step(prompt(2000), "warm-up uncached", False)
+    base = prompt(2000)
+    one_step(base[:1900] + prompt(100), "caching the prefix", False)
+    for i in range(3):
+        one_step(base[:1900] + prompt(100), f"cached #{i}", i == 2)
+    for i in range(3):
+        one_step(prompt(2000), f"uncached #{i}", i == 2)
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ compute-bound, also by TFLOP/s against ``--peak-tflops``. Run from the repositor
 
     python benchmarks/kernels_gpu.py --out kernels_gpu.json
     python benchmarks/kernels_gpu.py --sweep-splits   # also time decode at fixed split counts
+    python benchmarks/kernels_gpu.py --sweep-decode   # decode tile / warps / stages, on the engine's cases
 
 Shapes: H=32, KVH=8, D=128, block size 16, bf16, hidden 4096, intermediate 14336; decode at
 batch 1 / 64 / 256 with contexts of 512, 4096 and mixed 512-4096; prefill of 4 x 512 new tokens,
@@ -33,6 +34,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import kernels as K  # noqa: E402
+from kernels import paged_attention  # noqa: E402
 from kernels.paged_attention import default_num_splits  # noqa: E402
 
 H, KVH, D, BLOCK_SIZE = 32, 8, 128, 16
@@ -137,6 +139,39 @@ def bench_decode(b: Bench) -> None:
             torch.cuda.empty_cache()
 
 
+def sweep_decode_config(b: Bench) -> None:
+    """Decode attention's tile (context tokens per step), warps and pipeline stages, on the cases
+    the engine benchmark runs: batch 1 at context 600 (graph split count), and batches of 64 and
+    256 with contexts spread as in the offline workload (prompt + output, 200-2048)."""
+    rng = random.Random(1)
+    cases = [("B=1 ctx 600", [600], 33), ("B=64 ctx 200-2048", [rng.randint(200, 2048) for _ in range(64)], None),
+             ("B=256 ctx 200-2048", [rng.randint(200, 2048) for _ in range(256)], None)]
+    chosen = (paged_attention.DECODE_BLOCK_N, paged_attention.DECODE_NUM_WARPS, paged_attention.DECODE_NUM_STAGES)
+    for label, lens, splits in cases:
+        k_cache, v_cache, tables = _pool(lens, b.device)
+        ctx = torch.tensor(lens, dtype=torch.int32, device=b.device)
+        q = torch.randn(len(lens), H, D, dtype=DTYPE, device=b.device)
+        want = K.paged_decode_attention_ref(q, k_cache, v_cache, tables, ctx, SCALE)
+        nbytes = sum(lens) * KVH * D * 2 * ELEM + 2 * len(lens) * H * D * ELEM
+        for block_n in (32, 64, 128):
+            for warps in (2, 4, 8):
+                for stages in (2, 3, 4):
+                    paged_attention.DECODE_BLOCK_N = block_n
+                    paged_attention.DECODE_NUM_WARPS = warps
+                    paged_attention.DECODE_NUM_STAGES = stages
+                    fn = lambda: K.paged_decode_attention(q, k_cache, v_cache, tables, ctx, SCALE, num_splits=splits)  # noqa: E731
+                    try:
+                        got = fn()
+                    except Exception as exc:  # out of shared memory: not a config this chip can run
+                        print(f"decode {label} block_n={block_n} warps={warps} stages={stages}: {type(exc).__name__}")
+                        continue
+                    b.record("decode_config", label, fn, nbytes, _err(got, want), 2e-2,
+                             note=f"block_n={block_n} warps={warps} stages={stages}")
+        del k_cache, v_cache, tables, want
+        torch.cuda.empty_cache()
+    paged_attention.DECODE_BLOCK_N, paged_attention.DECODE_NUM_WARPS, paged_attention.DECODE_NUM_STAGES = chosen
+
+
 def bench_prefill(b: Bench) -> None:
     q_len = 512
     for label, prefixes in (("4x512 fresh", [0, 0, 0, 0]), ("4x512 after prefixes 0/512/1536/3584", [0, 512, 1536, 3584])):
@@ -176,8 +211,33 @@ def bench_store_kv(b: Bench) -> None:
         b.record("store_kv", f"T={tokens}", lambda: K.store_kv(k, v, k_cache, v_cache, slots), nbytes, err, 0.0)
 
 
+def bench_rotary_store_kv(b: Bench) -> None:
+    cos, sin = _rope_tables(b.device)
+    for tokens in (1, 256):
+        num_blocks = 4 * max(tokens, 16) // BLOCK_SIZE
+        positions = torch.randint(0, MAX_POS, (tokens,), device=b.device)
+        qkv = torch.randn(tokens, (H + 2 * KVH) * D, dtype=DTYPE, device=b.device)
+        k_cache = torch.zeros(num_blocks, BLOCK_SIZE, KVH, D, dtype=DTYPE, device=b.device)
+        v_cache = torch.zeros_like(k_cache)
+        slots = torch.randperm(num_blocks * BLOCK_SIZE, device=b.device)[:tokens]
+
+        def views(buf):
+            return (buf[:, : H * D].view(tokens, H, D), buf[:, H * D : (H + KVH) * D].view(tokens, KVH, D),
+                    buf[:, (H + KVH) * D :].view(tokens, KVH, D))
+
+        ref_buf, k_ref, v_ref = qkv.clone(), k_cache.clone(), v_cache.clone()
+        K.rotary_store_kv_ref(positions, *views(ref_buf), cos, sin, k_ref, v_ref, slots)
+        got_buf = qkv.clone()
+        K.rotary_store_kv(positions, *views(got_buf), cos, sin, k_cache, v_cache, slots)
+        err = max(_err(got_buf, ref_buf), _err(k_cache, k_ref), _err(v_cache, v_ref))
+        # q, k read and written in place; k, v written to the pool; v read; cos, sin rows
+        nbytes = tokens * (2 * (H + KVH) * D + 3 * KVH * D) * ELEM + 2 * tokens * D * 4
+        b.record("rotary+store_kv", f"T={tokens}",
+                 lambda: K.rotary_store_kv(positions, *views(qkv), cos, sin, k_cache, v_cache, slots), nbytes, err, 2e-2)
+
+
 def bench_rms_norm(b: Bench) -> None:
-    for tokens in (256, 4096):
+    for tokens in (1, 256, 4096):
         x = torch.randn(tokens, HIDDEN, dtype=DTYPE, device=b.device)
         residual = torch.randn_like(x)
         weight = (1 + 0.1 * torch.randn(HIDDEN, device=b.device)).to(DTYPE)
@@ -188,11 +248,15 @@ def bench_rms_norm(b: Bench) -> None:
         b.record("rms_norm+residual", f"T={tokens}", lambda: K.rms_norm(x, weight, 1e-5, residual), nbytes, err, 2e-2)
 
 
-def bench_rotary(b: Bench) -> None:
-    inv_freq = 1.0 / (500000.0 ** (torch.arange(0, D, 2, device=b.device).float() / D))
-    freqs = torch.arange(MAX_POS, device=b.device).float()[:, None] * inv_freq[None, :]
+def _rope_tables(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    inv_freq = 1.0 / (500000.0 ** (torch.arange(0, D, 2, device=device).float() / D))
+    freqs = torch.arange(MAX_POS, device=device).float()[:, None] * inv_freq[None, :]
     emb = torch.cat((freqs, freqs), dim=-1)
-    cos, sin = emb.cos(), emb.sin()
+    return emb.cos(), emb.sin()
+
+
+def bench_rotary(b: Bench) -> None:
+    cos, sin = _rope_tables(b.device)
     for tokens in (256, 4096):
         positions = torch.randint(0, MAX_POS, (tokens,), device=b.device)
         q = torch.randn(tokens, H, D, dtype=DTYPE, device=b.device)
@@ -205,7 +269,7 @@ def bench_rotary(b: Bench) -> None:
 
 
 def bench_silu_and_mul(b: Bench) -> None:
-    for tokens in (256, 4096):
+    for tokens in (1, 256, 4096):
         x = torch.randn(tokens, 2 * INTER, dtype=DTYPE, device=b.device)
         err = _err(K.silu_and_mul(x), K.silu_and_mul_ref(x))
         nbytes = tokens * 3 * INTER * ELEM  # [T, 2I] in, [T, I] out
@@ -227,6 +291,7 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=10)
     parser.add_argument("--reps", type=int, default=100)
     parser.add_argument("--sweep-splits", action="store_true", help="also time decode at fixed split counts")
+    parser.add_argument("--sweep-decode", action="store_true", help="only sweep decode tile / warps / stages")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
     args = parser.parse_args()
@@ -237,7 +302,9 @@ def main() -> None:
     b = Bench(args)
     print(f"{torch.cuda.get_device_name()}  torch {torch.__version__}  peak {args.peak_gbps} GB/s, {args.peak_tflops} TFLOP/s")
     print(f"{'kernel':<18} {'case':<38} {'ms':>9} {'GB/s':>8} {'%bw':>6} {'TFLOP/s':>7} {'%mm':>6} {'err':>9} ok")
-    for part in (bench_decode, bench_prefill, bench_store_kv, bench_rms_norm, bench_rotary, bench_silu_and_mul):
+    parts = (bench_decode, bench_prefill, bench_store_kv, bench_rotary_store_kv, bench_rms_norm, bench_rotary,
+             bench_silu_and_mul)
+    for part in (sweep_decode_config,) if args.sweep_decode else parts:
         part(b)
 
     failed = [r for r in b.results if not r.ok]

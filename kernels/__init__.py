@@ -14,11 +14,12 @@ from kernels.reference import (
     paged_prefill_attention_ref,
     rms_norm_ref,
     rotary_embedding_ref,
+    rotary_store_kv_ref,
     silu_and_mul_ref,
     store_kv_ref,
 )
 from kernels.rmsnorm import rms_norm
-from kernels.rotary import rotary_embedding
+from kernels.rotary import rotary_embedding, rotary_store_kv
 
 __all__ = [
     "HAS_TRITON",
@@ -31,6 +32,8 @@ __all__ = [
     "rms_norm_ref",
     "rotary_embedding",
     "rotary_embedding_ref",
+    "rotary_store_kv",
+    "rotary_store_kv_ref",
     "silu_and_mul",
     "silu_and_mul_ref",
     "store_kv",

@@ -12,6 +12,7 @@ must be set before the first kernel module is imported.
 from __future__ import annotations
 
 import functools
+import os
 from typing import Any, Callable
 
 import torch
@@ -19,9 +20,11 @@ import torch
 try:
     import triton
     import triton.language as tl
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 except ImportError:  # a CPU-only install without the dev extra
     triton = None
     tl = None
+    gdc_launch_dependents = gdc_wait = None
 
 HAS_TRITON = triton is not None
 
@@ -83,3 +86,34 @@ def sm_count(device: torch.device) -> int:
     if device.type != "cuda":
         return 4
     return _cuda_sm_count(device.index if device.index is not None else torch.cuda.current_device())
+
+
+# Programmatic dependent launch (Hopper and later): a kernel launched with it may be scheduled
+# while the kernel before it in the stream drains, and waits (griddepcontrol.wait, first thing in
+# each of our kernels) until that one's writes are visible. At batch 1 a decode step is ~350
+# dependent launches, each otherwise paying its launch latency after its producer ends.
+# KVCASCADE_PDL=0 turns it off (the A/B baseline).
+PDL = os.environ.get("KVCASCADE_PDL", "1") != "0"
+
+
+@functools.cache
+def _cuda_capability(index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
+
+
+def pdl_launch(device: torch.device) -> dict[str, bool]:
+    """The launch options for one of our kernels on ``device``: ``USE_PDL`` (the kernel's
+    constexpr, which makes it wait for its producer) and ``launch_pdl`` together, or both off."""
+    on = (PDL and device.type == "cuda" and not interpreting()
+          and _cuda_capability(device.index if device.index is not None else torch.cuda.current_device()) >= (9, 0))
+    return {"USE_PDL": on, "launch_pdl": on}
+
+
+@jit
+def wait_for_producer(USE_PDL: tl.constexpr):
+    """First thing in every kernel: before it, a PDL-launched kernel may not read what the
+    previous kernel writes, nor exit (stream order after it relies on its having waited). Then
+    the next kernel may be scheduled (it waits in turn), so its launch overlaps this one's work."""
+    if USE_PDL:
+        gdc_wait()
+        gdc_launch_dependents()

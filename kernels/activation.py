@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import torch
 
-from kernels._triton import cdiv, check_launchable, jit, next_power_of_2, tl
+from kernels._triton import cdiv, check_launchable, jit, next_power_of_2, pdl_launch, tl, wait_for_producer
 
 _BLOCK = 1024
 
 
 @jit
-def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, n_inter, BLOCK: tl.constexpr):
+def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, n_inter, BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
+    wait_for_producer(USE_PDL)
     t = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n_inter
@@ -32,6 +33,6 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     if num_tokens:
         block = min(next_power_of_2(n_inter), _BLOCK)
         _silu_and_mul_kernel[(num_tokens, cdiv(n_inter, block))](
-            x, out, x.stride(0), out.stride(0), n_inter, BLOCK=block, num_warps=4,
+            x, out, x.stride(0), out.stride(0), n_inter, BLOCK=block, num_warps=4, **pdl_launch(x.device),
         )
     return out

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels._triton import cdiv, check_launchable, jit, next_power_of_2, tl
+from kernels._triton import cdiv, check_launchable, jit, next_power_of_2, pdl_launch, tl, wait_for_producer
 
 _MAX_BLOCK = 2048
 
@@ -13,7 +13,9 @@ _MAX_BLOCK = 2048
 def _store_kv_kernel(
     k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, stride_kt, stride_vt,
     ROW: tl.constexpr, BLOCK: tl.constexpr,  # ROW = KVH * D: one token's slot in the pool
+    USE_PDL: tl.constexpr,
 ):
+    wait_for_producer(USE_PDL)
     t = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_ptr + t).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -44,5 +46,5 @@ def store_kv(
         return
     block = min(next_power_of_2(row), _MAX_BLOCK)
     _store_kv_kernel[(num_tokens, cdiv(row, block))](
-        k, v, k_cache, v_cache, slot_mapping, k.stride(0), v.stride(0), ROW=row, BLOCK=block, num_warps=4,
+        k, v, k_cache, v_cache, slot_mapping, k.stride(0), v.stride(0), ROW=row, BLOCK=block, num_warps=4, **pdl_launch(k.device),
     )

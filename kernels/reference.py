@@ -123,6 +123,24 @@ def rotary_embedding_ref(
     return rotate(q), rotate(k)
 
 
+def rotary_store_kv_ref(
+    positions: torch.Tensor,
+    q: torch.Tensor,  # [T, H, D], rotated in place
+    k: torch.Tensor,  # [T, KVH, D], rotated in place
+    v: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    q_rot, k_rot = rotary_embedding_ref(positions, q, k, cos, sin)
+    q.copy_(q_rot)
+    k.copy_(k_rot)
+    store_kv_ref(k, v, k_cache, v_cache, slot_mapping)
+    return q, k
+
+
 def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
     gate, up = x.chunk(2, dim=-1)
     return F.silu(gate) * up

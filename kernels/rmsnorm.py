@@ -4,15 +4,16 @@ from __future__ import annotations
 
 import torch
 
-from kernels._triton import check_launchable, jit, next_power_of_2, tl
+from kernels._triton import check_launchable, jit, next_power_of_2, pdl_launch, tl, wait_for_producer
 
 
 @jit
 def _rms_norm_kernel(
     x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr,
     stride_x, stride_r, stride_o, stride_ro, n_cols, eps,
-    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr,
 ):
+    wait_for_producer(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < n_cols
@@ -56,6 +57,7 @@ def rms_norm(
             x2, r2, weight, out, res_out,
             x2.stride(0), r2.stride(0), out.stride(0), res_out.stride(0), n_cols, eps,
             HAS_RESIDUAL=residual is not None, BLOCK=block, num_warps=min(max(block // 512, 1), 16),
+            **pdl_launch(x.device),
         )
     out = out.view(x.shape)
     return out if residual is None else (out, res_out.view(x.shape))

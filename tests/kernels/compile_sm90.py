@@ -31,6 +31,7 @@ class C:
 
 
 def compile_kernel(fn, args: dict, num_warps: int = 4, num_stages: int = 3):
+    args = {**args, "USE_PDL": C(True)}  # as launched on an H100: each kernel waits for its producer
     signature, constexprs, attrs = {}, {}, {}
     for i, name in enumerate(fn.arg_names):
         value = args[name]
@@ -42,15 +43,16 @@ def compile_kernel(fn, args: dict, num_warps: int = 4, num_stages: int = 3):
                 # What a real launch specialises: pool pointers and strides divisible by 16.
                 attrs[(i,)] = [["tt.divisibility", 16]]
     src = ASTSource(fn, signature, constexprs, attrs)
-    return triton.compile(src, target=TARGET, options={"num_warps": num_warps, "num_stages": num_stages})
+    return triton.compile(src, target=TARGET,
+                          options={"num_warps": num_warps, "num_stages": num_stages, "launch_pdl": True})
 
 
 def _decode_args(splits: int) -> dict:
     part = "*fp32" if splits > 1 else P
     return dict(
         q_ptr=P, k_ptr=P, v_ptr=P, bt_ptr="*i32", ctx_ptr="*i32", out_ptr=P, part_o_ptr=part, part_lse_ptr=part,
-        qk_scale="fp32", stride_qb="i32", stride_qh="i32", stride_kb="i32", stride_kt="i32", stride_kh="i32",
-        stride_bt="i32", stride_ob="i32", stride_oh="i32", NUM_HEADS=C(32), GROUP=C(4), BLOCK_G=C(16),
+        lock_ptr="*i32" if splits > 1 else P, qk_scale="fp32", stride_qb="i32", stride_qh="i32", stride_kb="i32", stride_kt="i32", stride_kh="i32",
+        stride_bt="i32", stride_ob="i32", stride_oh="i32", NUM_HEADS=C(32), NUM_KV_HEADS=C(8), GROUP=C(4), BLOCK_G=C(16),
         HEAD_DIM=C(128), BLOCK_D=C(128), BLOCK_SIZE=C(16), BLOCK_N=C(paged_attention.DECODE_BLOCK_N),
         NUM_SPLITS=C(splits), DOT_PRECISION=C("tf32"),
     )
@@ -72,9 +74,6 @@ def main() -> int:
     cases = [
         ("decode, 1 split", paged_attention._decode_kernel, _decode_args(1), 4, 2, True),
         ("decode, 8 splits", paged_attention._decode_kernel, _decode_args(8), 4, 2, True),
-        ("decode merge", paged_attention._decode_merge_kernel, dict(
-            part_o_ptr="*fp32", part_lse_ptr="*fp32", out_ptr=P, stride_ob="i32", stride_oh="i32",
-            NUM_HEADS=C(32), NUM_SPLITS=C(8), BLOCK_S=C(8), HEAD_DIM=C(128), BLOCK_D=C(128)), 4, 3, False),
         ("prefill, group 4", paged_attention._prefill_kernel, _prefill_args(4), 8, 3, True),
         ("prefill, group 7", paged_attention._prefill_kernel, _prefill_args(7), 8, 3, True),
         ("store_kv", kv_store._store_kv_kernel, dict(
@@ -87,6 +86,12 @@ def main() -> int:
             pos_ptr="*i64", q_ptr=P, k_ptr=P, cos_ptr="*fp32", sin_ptr="*fp32", stride_qt="i32", stride_qh="i32",
             stride_kt="i32", stride_kh="i32", stride_cos="i32", stride_sin="i32", num_q_heads="i32",
             num_k_heads="i32", HALF=C(64), BLOCK_HALF=C(64), BLOCK_HQ=C(32), BLOCK_HK=C(8)), 4, 3, False),
+        ("rotary + store_kv", rotary._rotary_store_kernel, dict(
+            pos_ptr="*i64", q_ptr=P, k_ptr=P, v_ptr=P, cos_ptr="*fp32", sin_ptr="*fp32", k_cache_ptr=P,
+            v_cache_ptr=P, slot_ptr="*i64", stride_qt="i32", stride_qh="i32", stride_kt="i32", stride_kh="i32",
+            stride_vt="i32", stride_vh="i32", stride_cos="i32", stride_sin="i32", num_q_heads="i32",
+            num_k_heads="i32", HEAD_DIM=C(128), HALF=C(64), BLOCK_HALF=C(64), BLOCK_HQ=C(32), BLOCK_HK=C(8)),
+            4, 3, False),
         ("silu_and_mul", activation._silu_and_mul_kernel, dict(
             x_ptr=P, out_ptr=P, stride_x="i32", stride_o="i32", n_inter="i32", BLOCK=C(1024)), 4, 3, False),
     ]
@@ -94,9 +99,11 @@ def main() -> int:
     for label, fn, args, num_warps, num_stages, must_pipeline in cases:
         kernel = compile_kernel(fn, args, num_warps, num_stages)
         pipelined = "async_copy_global_to_local" in kernel.asm["ttgir"]
-        ok = pipelined or not must_pipeline
+        waits = "griddepcontrol.wait" in kernel.asm["ptx"]
+        ok = (pipelined or not must_pipeline) and waits
         failed += not ok
-        print(f"{'ok' if ok else 'FAIL':4} {label:22} shared={kernel.metadata.shared:6d} pipelined={pipelined}")
+        print(f"{'ok' if ok else 'FAIL':4} {label:22} shared={kernel.metadata.shared:6d} pipelined={pipelined} "
+              f"waits_for_producer={waits}")
     return 1 if failed else 0
 
 

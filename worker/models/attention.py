@@ -19,10 +19,13 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Iterator
+from typing import TYPE_CHECKING, Iterator
 
 import torch
 import torch.nn.functional as F
+
+if TYPE_CHECKING:
+    from worker.models.layers import RotaryEmbedding
 
 
 @dataclass
@@ -60,7 +63,9 @@ def get_forward_context() -> AttentionMetadata:
 
 
 class AttentionBackend:
-    """Writes new K/V into a layer's paged cache and attends over it."""
+    """Applies the rotary embedding to new q/k, writes new K/V into a layer's paged cache and
+    attends over it. Rotation belongs here, not in the model, so that a backend can fuse it with
+    the KV store (the Triton one does: one launch per layer instead of two)."""
 
     name = "base"
 
@@ -76,6 +81,7 @@ class AttentionBackend:
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
+        rope: "tuple[torch.Tensor, RotaryEmbedding] | None" = None,  # (positions [T], the layer's rotary)
     ) -> torch.Tensor:  # [T, H, D]
         raise NotImplementedError
 
@@ -114,7 +120,10 @@ class TorchAttentionBackend(AttentionBackend):
             prefills.append((slots, mask))
         meta.extra["prefills"] = prefills
 
-    def forward(self, q, k, v, k_cache, v_cache, meta, scale):
+    def forward(self, q, k, v, k_cache, v_cache, meta, scale, rope=None):
+        if rope is not None:
+            positions, rotary = rope
+            q, k = rotary(positions, q, k)
         num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
         k_flat = k_cache.view(-1, num_kv_heads, head_dim)
         v_flat = v_cache.view(-1, num_kv_heads, head_dim)

@@ -40,10 +40,9 @@ class LlamaAttention(nn.Module):
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
-        q, k = self.rotary(positions, q, k)
         meta = get_forward_context()
         k_cache, v_cache = meta.kv_caches[self.layer_idx]
-        o = meta.backend.forward(q, k, v, k_cache, v_cache, meta, self.scale)
+        o = meta.backend.forward(q, k, v, k_cache, v_cache, meta, self.scale, rope=(positions, self.rotary))
         return self.o_proj(o.reshape(-1, self.q_size))
 
 

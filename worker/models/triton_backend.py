@@ -1,8 +1,8 @@
 """Paged attention through the Triton kernels (kernels/): the GPU path behind the same interface.
 
 Per step, ``prepare`` builds the device tensors once (block tables, context lengths, query
-offsets) from pinned host memory with asynchronous copies; each layer then stores its new K/V
-and runs the split-K decode kernel over the decode rows and the varlen prefill kernel over the
+offsets) from pinned host memory with asynchronous copies; each layer then rotates q/k and stores
+its new K/V (one fused kernel) and runs the split-K decode kernel over the decode rows and the varlen prefill kernel over the
 rest. For CUDA graphs the model runner fills ``meta.extra`` from static buffers itself and sets
 ``decode_num_splits`` per captured batch size, so nothing here reads the device or allocates
 data-dependent shapes.
@@ -39,10 +39,14 @@ class TritonAttentionBackend(AttentionBackend):
             meta.extra["prefill_context_lens"] = ctx[nd:]
             meta.extra["prefill_query_start"] = to_device([q - qs[nd] for q in qs[nd:]], device)
 
-    def forward(self, q, k, v, k_cache, v_cache, meta, scale):
-        from kernels import paged_decode_attention, paged_prefill_attention, store_kv
+    def forward(self, q, k, v, k_cache, v_cache, meta, scale, rope=None):
+        from kernels import paged_decode_attention, paged_prefill_attention, rotary_store_kv, store_kv
 
-        store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        if rope is None:
+            store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        else:  # rotate q and k and store k and v: one launch
+            positions, rotary = rope
+            rotary_store_kv(positions, q, k, v, rotary.cos, rotary.sin, k_cache, v_cache, meta.slot_mapping)
         nd = meta.num_decodes
         extra = meta.extra
         if "prefill_query_start" not in extra:  # decodes only (the CUDA-graph case)
