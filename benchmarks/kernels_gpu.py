@@ -170,6 +170,12 @@ def sweep_decode_config(b: Bench) -> None:
         del k_cache, v_cache, tables, want
         torch.cuda.empty_cache()
     paged_attention.DECODE_BLOCK_N, paged_attention.DECODE_NUM_WARPS, paged_attention.DECODE_NUM_STAGES = chosen
+    current = "block_n={} warps={} stages={}".format(*chosen)
+    for label, _, _ in cases:
+        rows = sorted((r for r in b.results if r.kernel == "decode_config" and r.case == label), key=lambda r: r.ms)
+        mine = next((r for r in rows if r.note == current), None)
+        print(f"{label}: best " + "; ".join(f"{r.note} {r.ms:.4f} ms {100 * r.bw_frac:.1f}%" for r in rows[:3])
+              + (f" | current {current} {mine.ms:.4f} ms {100 * mine.bw_frac:.1f}%" if mine else ""))
 
 
 def bench_prefill(b: Bench) -> None:
