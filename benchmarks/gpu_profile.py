@@ -4,6 +4,7 @@ kernels of one eager step (torch profiler). For finding the gap to the floor, no
 
     python benchmarks/gpu_profile.py --batch 1 --batch 256
     python benchmarks/gpu_profile.py --ttft      # a prefill step: host-bound or device-bound?
+    python benchmarks/gpu_profile.py --timeline --batch 1   # the kernels of a graph replay, and the gaps
 
 ``--ttft`` times the one step of a 2,000-token prompt, first with 1,888 of its tokens cached and
 then uncached (benchmark (c)): wall time against the sum of its kernels' time and the span from
@@ -33,6 +34,7 @@ def main() -> None:
     ap.add_argument("--batch", type=int, action="append", default=[])
     ap.add_argument("--context", type=int, default=600)
     ap.add_argument("--ttft", action="store_true", help="profile benchmark (c)'s prefill steps instead")
+    ap.add_argument("--timeline", action="store_true", help="only the kernel timeline of graph replays")
     args = ap.parse_args()
     eng = LLMEngine(EngineConfig(model="dummy:llama-3.1-8b", device="cuda", dtype="bfloat16", max_model_len=4096,
                                  max_num_batched_tokens=8192, max_num_seqs=256))
@@ -48,6 +50,11 @@ def main() -> None:
             eng.step()
         for _ in range(3):
             eng.step()
+        if args.timeline:
+            graph_timeline(eng, b)
+            for s in list(eng.scheduler.running):
+                eng.abort_request(s.request_id)
+            continue
         # phases of a step, synchronising between them
         phases = {"schedule": 0.0, "run": 0.0, "postprocess": 0.0}
         n = 20
@@ -92,6 +99,37 @@ def main() -> None:
         print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=12, max_name_column_width=60))
         for s in list(eng.scheduler.running):
             eng.abort_request(s.request_id)
+
+
+def graph_timeline(eng: LLMEngine, batch: int, replays: int = 5) -> None:
+    """Kernels of ``replays`` graph replays (CUPTI sees inside graphs): time per kind of kernel,
+    and the gaps between one kernel's end and the next one's start."""
+    g = eng.runner.graphs
+    size = next(s for s in g.sizes if s >= batch)
+    graph, _ = g.graphs[size]
+    graph.replay()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(replays):
+            graph.replay()
+        torch.cuda.synchronize()
+    kernels = sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA),
+                     key=lambda e: e.time_range.start)
+    if not kernels:
+        print("no kernels recorded inside the graph (CUPTI too old?)")
+        return
+    span = (kernels[-1].time_range.end - kernels[0].time_range.start) / replays
+    busy = sum(e.time_range.elapsed_us() for e in kernels) / replays
+    gaps = [b.time_range.start - a.time_range.end for a, b in zip(kernels, kernels[1:])]
+    gaps = [x for x in gaps if x < 1000]  # not the gaps between replays
+    by_name: dict[str, list[float]] = {}
+    for e in kernels:
+        by_name.setdefault(e.name[:70], []).append(e.time_range.elapsed_us())
+    print(f"graph size {size}: {len(kernels) / replays:.0f} kernels a replay, {span / 1e3:.3f} ms span, "
+          f"{busy / 1e3:.3f} ms busy, gaps {sum(gaps) / replays / 1e3:.3f} ms "
+          f"(median gap {sorted(gaps)[len(gaps) // 2] if gaps else 0:.2f} us)")
+    for name, times in sorted(by_name.items(), key=lambda kv: -sum(kv[1]))[:16]:
+        print(f"  {sum(times) / replays / 1e3:7.3f} ms  {len(times) / replays:5.0f} x {sum(times) / len(times):7.2f} us  {name}")
 
 
 def profile_ttft(eng: LLMEngine, rng: random.Random) -> None:

@@ -5,10 +5,11 @@ int32 block tables, and both are GQA-aware: a program owns one KV head and every
 group, so each K/V tile is loaded once per group rather than once per query head.
 
 Decode: the grid is (sequence, KV head, split). Each split walks its share of the context and
-writes a partial (output normalised by its own sum, and log-sum-exp), then takes a ticket from a
-per-(sequence, KV head) counter; the split that draws the last ticket merges all the partials and
-resets the counter, so no second kernel is launched (at batch 1 a launch costs more than the
-merge). With one split the program writes the output directly.
+writes a partial (output normalised by its own sum, and log-sum-exp); a second small kernel
+merges the splits, launched with PDL so its launch overlaps the first. With one split the first
+kernel writes the output directly. (Merging in the last split to finish, found by a ticket
+counter, saved that launch but measured slower at batch 1: the merging program walks its group's
+heads one after another, where the merge kernel takes them all at once.)
 
 Prefill: the new tokens of all sequences are flattened into one batch. A program takes a tile of
 BLOCK_Q consecutive query tokens of one sequence; the rows of its Q tile are (token, head) pairs
@@ -26,16 +27,18 @@ from __future__ import annotations
 
 import torch
 
-from kernels._triton import (cdiv, check_launchable, jit, next_power_of_2, pdl_launch, sm_count, tl, triton,
-                             wait_for_producer)
+from kernels._triton import cdiv, check_launchable, jit, next_power_of_2, pdl_launch, sm_count, tl, wait_for_producer
 
 # The kernels use exp2: the softmax scale is multiplied by log2(e) once.
 _LOG2E = 1.4426950408889634
 
 # Tile sizes; module-level so tests can shrink them to exercise many tiles at tiny shapes.
-DECODE_BLOCK_N = 64  # context tokens per inner step
+# Decode tile, warps and stages as swept on an H100 (benchmarks/kernels_gpu.py --sweep-decode,
+# docs/BENCHMARKS.md): 128 tokens a step in 3 stages read a batch of 256 at 95.8% of copy
+# bandwidth against 93.7% for 64 in 2; at head_dim > 128 the tile is halved to fit shared memory.
+DECODE_BLOCK_N = 128  # context tokens per inner step
 DECODE_NUM_WARPS = 4
-DECODE_NUM_STAGES = 2
+DECODE_NUM_STAGES = 3
 PREFILL_BLOCK_M = 128  # Q tile rows: BLOCK_M // group query tokens x the group's heads
 PREFILL_BLOCK_N = 64
 # Flash-decoding heuristic: aim for this many programs per SM, but give a split at least
@@ -75,9 +78,9 @@ def _attend_tile(
 
 @jit
 def _decode_kernel(
-    q_ptr, k_ptr, v_ptr, bt_ptr, ctx_ptr, out_ptr, part_o_ptr, part_lse_ptr, lock_ptr, qk_scale,
+    q_ptr, k_ptr, v_ptr, bt_ptr, ctx_ptr, out_ptr, part_o_ptr, part_lse_ptr, qk_scale,
     stride_qb, stride_qh, stride_kb, stride_kt, stride_kh, stride_bt, stride_ob, stride_oh,
-    NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, BLOCK_G: tl.constexpr,
+    NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, BLOCK_G: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
     NUM_SPLITS: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_PDL: tl.constexpr,
 ):
@@ -122,42 +125,30 @@ def _decode_kernel(
         tl.store(part_o_ptr + row[:, None] * HEAD_DIM + offs_d[None, :], o, mask=qo_mask)
         lse = tl.where(l_i > 0, m_i + tl.log2(tl.where(l_i > 0, l_i, 1.0)), float("-inf"))
         tl.store(part_lse_ptr + row, lse, mask=g_mask)
-        # Every thread's partial is written before the ticket is drawn (barrier), and the ticket
-        # is a release/acquire at GPU scope, so the last split sees all the others' partials.
-        tl.debug_barrier()
-        counter = lock_ptr + b * NUM_KV_HEADS + kvh
-        ticket = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
-        if ticket == NUM_SPLITS - 1:
-            _merge_splits(part_o_ptr, part_lse_ptr, out_ptr, b, kvh, stride_ob, stride_oh,
-                          NUM_HEADS, GROUP, NUM_SPLITS, HEAD_DIM, BLOCK_D)
-            tl.atomic_xchg(counter, 0)  # ready for the next launch (or graph replay)
 
 
 @jit
-def _merge_splits(
-    part_o_ptr, part_lse_ptr, out_ptr, b, kvh, stride_ob, stride_oh,
-    NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, NUM_SPLITS: tl.constexpr, HEAD_DIM: tl.constexpr,
-    BLOCK_D: tl.constexpr,
+def _decode_merge_kernel(
+    part_o_ptr, part_lse_ptr, out_ptr, stride_ob, stride_oh,
+    NUM_HEADS: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, USE_PDL: tl.constexpr,
 ):
-    """Merges the split partials of one KV head's query heads, weighting each by exp2(lse - max lse)."""
-    BLOCK_S: tl.constexpr = triton.next_power_of_2(NUM_SPLITS)
+    """Merges one (sequence, head)'s split partials, weighting each by exp2(lse - max lse)."""
+    wait_for_producer(USE_PDL)
+    b = tl.program_id(0)
+    h = tl.program_id(1)
     offs_s = tl.arange(0, BLOCK_S)
     s_mask = offs_s < NUM_SPLITS
     offs_d = tl.arange(0, BLOCK_D)
     d_mask = offs_d < HEAD_DIM
-    for g in tl.static_range(GROUP):
-        h = kvh * GROUP + g
-        row = (b.to(tl.int64) * NUM_HEADS + h) * NUM_SPLITS + offs_s
-        # .cg: read from L2, where the other programs' partials are (never a stale L1 line).
-        lse = tl.load(part_lse_ptr + row, mask=s_mask, other=float("-inf"), cache_modifier=".cg")
-        m = tl.max(lse, 0)
-        w = tl.exp2(lse - tl.where(m == float("-inf"), 0.0, m))  # all -inf (context 0): all weights 0
-        o = tl.load(part_o_ptr + row[:, None] * HEAD_DIM + offs_d[None, :],
-                    mask=s_mask[:, None] & d_mask[None, :], other=0.0, cache_modifier=".cg")
-        denom = tl.sum(w, 0)
-        out = tl.sum(o * w[:, None], 0) / tl.where(denom > 0, denom, 1.0)
-        tl.store(out_ptr + b.to(tl.int64) * stride_ob + h * stride_oh + offs_d,
-                 out.to(out_ptr.dtype.element_ty), mask=d_mask)
+    row = (b.to(tl.int64) * NUM_HEADS + h) * NUM_SPLITS + offs_s
+    lse = tl.load(part_lse_ptr + row, mask=s_mask, other=float("-inf"))
+    m = tl.max(lse, 0)
+    w = tl.exp2(lse - tl.where(m == float("-inf"), 0.0, m))  # all -inf (context 0): all weights 0
+    o = tl.load(part_o_ptr + row[:, None] * HEAD_DIM + offs_d[None, :], mask=s_mask[:, None] & d_mask[None, :], other=0.0)
+    denom = tl.sum(w, 0)
+    out = tl.sum(o * w[:, None], 0) / tl.where(denom > 0, denom, 1.0)
+    tl.store(out_ptr + b.to(tl.int64) * stride_ob + h * stride_oh + offs_d, out.to(out_ptr.dtype.element_ty), mask=d_mask)
 
 
 @jit
@@ -290,37 +281,28 @@ def paged_decode_attention(
     if num_splits > 1:
         part_o = torch.empty(batch, num_heads, num_splits, head_dim, dtype=torch.float32, device=q.device)
         part_lse = torch.empty(batch, num_heads, num_splits, dtype=torch.float32, device=q.device)
-        locks = _split_counters(batch * num_kv_heads, q.device)
     else:
-        part_o = part_lse = locks = out  # unused
+        part_o = part_lse = out  # unused
     block_d = next_power_of_2(head_dim)
+    pdl = pdl_launch(q.device)
     _decode_kernel[(batch, num_kv_heads, num_splits)](
-        q, k_cache, v_cache, block_tables, context_lens, out, part_o, part_lse, locks, scale * _LOG2E,
+        q, k_cache, v_cache, block_tables, context_lens, out, part_o, part_lse, scale * _LOG2E,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_tables.stride(0), out.stride(0), out.stride(1),
-        NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, GROUP=group,
+        NUM_HEADS=num_heads, GROUP=group,
         BLOCK_G=max(16, next_power_of_2(group)),  # tl.dot needs at least 16 rows
-        HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_SIZE=block_size, BLOCK_N=DECODE_BLOCK_N,
+        HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_SIZE=block_size,
+        BLOCK_N=DECODE_BLOCK_N if block_d <= 128 else DECODE_BLOCK_N // 2,  # K/V stages in shared memory
         NUM_SPLITS=num_splits, DOT_PRECISION=_dot_precision(q.dtype),
-        num_warps=DECODE_NUM_WARPS, num_stages=DECODE_NUM_STAGES, **pdl_launch(q.device),
+        num_warps=DECODE_NUM_WARPS, num_stages=DECODE_NUM_STAGES, **pdl,
     )
+    if num_splits > 1:
+        _decode_merge_kernel[(batch, num_heads)](
+            part_o, part_lse, out, out.stride(0), out.stride(1),
+            NUM_HEADS=num_heads, NUM_SPLITS=num_splits, BLOCK_S=next_power_of_2(num_splits),
+            HEAD_DIM=head_dim, BLOCK_D=block_d, num_warps=4, **pdl,
+        )
     return out
-
-
-# Per device, the split counters of the last-split merge: all zero between launches, since the
-# merging program resets its own. One stream uses them at a time (the engine's). A CUDA graph
-# captures their address, so they are grown outside any capture (the warm-up runs first) and a
-# grown-out buffer is kept, never freed, as graphs captured earlier still use it.
-_COUNTERS: dict[torch.device, list[torch.Tensor]] = {}
-
-
-def _split_counters(n: int, device: torch.device) -> torch.Tensor:
-    held = _COUNTERS.setdefault(device, [])
-    if not held or held[-1].numel() < n:
-        assert not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()), \
-            "split counters must be allocated by a warm-up run before CUDA-graph capture"
-        held.append(torch.zeros(max(n, 2 * held[-1].numel() if held else 1024), dtype=torch.int32, device=device))
-    return held[-1]
 
 
 def paged_prefill_attention(

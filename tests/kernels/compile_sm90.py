@@ -51,8 +51,8 @@ def _decode_args(splits: int) -> dict:
     part = "*fp32" if splits > 1 else P
     return dict(
         q_ptr=P, k_ptr=P, v_ptr=P, bt_ptr="*i32", ctx_ptr="*i32", out_ptr=P, part_o_ptr=part, part_lse_ptr=part,
-        lock_ptr="*i32" if splits > 1 else P, qk_scale="fp32", stride_qb="i32", stride_qh="i32", stride_kb="i32", stride_kt="i32", stride_kh="i32",
-        stride_bt="i32", stride_ob="i32", stride_oh="i32", NUM_HEADS=C(32), NUM_KV_HEADS=C(8), GROUP=C(4), BLOCK_G=C(16),
+        qk_scale="fp32", stride_qb="i32", stride_qh="i32", stride_kb="i32", stride_kt="i32", stride_kh="i32",
+        stride_bt="i32", stride_ob="i32", stride_oh="i32", NUM_HEADS=C(32), GROUP=C(4), BLOCK_G=C(16),
         HEAD_DIM=C(128), BLOCK_D=C(128), BLOCK_SIZE=C(16), BLOCK_N=C(paged_attention.DECODE_BLOCK_N),
         NUM_SPLITS=C(splits), DOT_PRECISION=C("tf32"),
     )
@@ -72,8 +72,13 @@ def _prefill_args(group: int) -> dict:
 def main() -> int:
     assert not os.environ.get("TRITON_INTERPRET"), "unset TRITON_INTERPRET: the kernels must be compiled"
     cases = [
-        ("decode, 1 split", paged_attention._decode_kernel, _decode_args(1), 4, 2, True),
-        ("decode, 8 splits", paged_attention._decode_kernel, _decode_args(8), 4, 2, True),
+        ("decode, 1 split", paged_attention._decode_kernel, _decode_args(1), paged_attention.DECODE_NUM_WARPS,
+         paged_attention.DECODE_NUM_STAGES, True),
+        ("decode, 8 splits", paged_attention._decode_kernel, _decode_args(8), paged_attention.DECODE_NUM_WARPS,
+         paged_attention.DECODE_NUM_STAGES, True),
+        ("decode merge", paged_attention._decode_merge_kernel, dict(
+            part_o_ptr="*fp32", part_lse_ptr="*fp32", out_ptr=P, stride_ob="i32", stride_oh="i32",
+            NUM_HEADS=C(32), NUM_SPLITS=C(8), BLOCK_S=C(8), HEAD_DIM=C(128), BLOCK_D=C(128)), 4, 3, False),
         ("prefill, group 4", paged_attention._prefill_kernel, _prefill_args(4), 8, 3, True),
         ("prefill, group 7", paged_attention._prefill_kernel, _prefill_args(7), 8, 3, True),
         ("store_kv", kv_store._store_kv_kernel, dict(

@@ -80,22 +80,6 @@ def test_decode_fp16(num_splits):
     torch.testing.assert_close(got, want, atol=2e-3, rtol=2e-3)
 
 
-def test_split_merge_counters_return_to_zero_between_launches():
-    """The last split of each (sequence, KV head) merges and resets its counter: launch after
-    launch (as graph replays do) stays right, whatever the split count."""
-    context_lens = [90, 5, 0]
-    k_cache, v_cache = _pool(30, 4, 2, 16, torch.float32)
-    tables = _block_tables(context_lens, 4, 30)
-    ctx = torch.tensor(context_lens, dtype=torch.int32)
-    want = None
-    for num_splits in (3, 3, 7, 2):
-        q = torch.randn(3, 4, 16)
-        got = paged_decode_attention(q, k_cache, v_cache, tables, ctx, 0.25, num_splits=num_splits)
-        want = paged_decode_attention_ref(q, k_cache, v_cache, tables, ctx, 0.25)
-        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
-        assert not paged_attention._split_counters(6, q.device)[:6].any()
-
-
 def test_default_num_splits():
     cpu = torch.device("cpu")  # stands in for a 4-SM device: a target of 8 programs
     assert default_num_splits(8, 2, 4096, cpu) == 1  # enough (sequence, KV head) programs already
