@@ -217,6 +217,32 @@ def bench_store_kv(b: Bench) -> None:
         b.record("store_kv", f"T={tokens}", lambda: K.store_kv(k, v, k_cache, v_cache, slots), nbytes, err, 0.0)
 
 
+def bench_skinny_matmul(b: Bench) -> None:
+    """The decode projections at 1, 8 and 16 rows: the Triton skinny matmul (tuned per shape at
+    its first call) against cuBLAS (F.linear), each scored by the weight bytes it must read."""
+    shapes = {"qkv": (H * D + 2 * KVH * D, HIDDEN), "o": (HIDDEN, H * D), "gate_up": (2 * INTER, HIDDEN),
+              "down": (HIDDEN, INTER), "lm_head": (128256, HIDDEN)}
+    for rows in (1, 8, 16):
+        for name, (n, k) in shapes.items():
+            x = torch.randn(rows, k, dtype=DTYPE, device=b.device)
+            w = torch.randn(n, k, dtype=DTYPE, device=b.device) / k**0.5
+            want = torch.nn.functional.linear(x.float(), w.float())
+            nbytes = (n * k + rows * (n + k)) * ELEM
+            got = K.skinny_matmul(x, w)
+            b.record("skinny_matmul", f"M={rows} {name} {n}x{k}", lambda: K.skinny_matmul(x, w), nbytes,
+                     _err(got, want), 2e-2)
+            got = torch.nn.functional.linear(x, w)
+            b.record("cublas_linear", f"M={rows} {name} {n}x{k}", lambda: torch.nn.functional.linear(x, w), nbytes,
+                     _err(got, want), 2e-2)
+            del w
+    from kernels import skinny
+
+    tuner = skinny._tuned
+    if tuner is not None:
+        for key, cfg in tuner.cache.items():
+            print(f"skinny_matmul tuned {key}: {cfg}")
+
+
 def bench_rotary_store_kv(b: Bench) -> None:
     cos, sin = _rope_tables(b.device)
     for tokens in (1, 256):
@@ -298,6 +324,7 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=100)
     parser.add_argument("--sweep-splits", action="store_true", help="also time decode at fixed split counts")
     parser.add_argument("--sweep-decode", action="store_true", help="only sweep decode tile / warps / stages")
+    parser.add_argument("--only-skinny", action="store_true", help="only the skinny matmul against cuBLAS")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
     args = parser.parse_args()
@@ -308,9 +335,11 @@ def main() -> None:
     b = Bench(args)
     print(f"{torch.cuda.get_device_name()}  torch {torch.__version__}  peak {args.peak_gbps} GB/s, {args.peak_tflops} TFLOP/s")
     print(f"{'kernel':<18} {'case':<38} {'ms':>9} {'GB/s':>8} {'%bw':>6} {'TFLOP/s':>7} {'%mm':>6} {'err':>9} ok")
-    parts = (bench_decode, bench_prefill, bench_store_kv, bench_rotary_store_kv, bench_rms_norm, bench_rotary,
+    parts = (bench_skinny_matmul, bench_decode, bench_prefill, bench_store_kv, bench_rotary_store_kv, bench_rms_norm, bench_rotary,
              bench_silu_and_mul)
-    for part in (sweep_decode_config,) if args.sweep_decode else parts:
+    if args.sweep_decode or args.only_skinny:
+        parts = (sweep_decode_config,) if args.sweep_decode else (bench_skinny_matmul,)
+    for part in parts:
         part(b)
 
     failed = [r for r in b.results if not r.ok]

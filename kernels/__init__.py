@@ -20,6 +20,7 @@ from kernels.reference import (
 )
 from kernels.rmsnorm import rms_norm
 from kernels.rotary import rotary_embedding, rotary_store_kv
+from kernels.skinny import skinny_matmul
 
 __all__ = [
     "HAS_TRITON",
@@ -34,6 +35,7 @@ __all__ = [
     "rotary_embedding_ref",
     "rotary_store_kv",
     "rotary_store_kv_ref",
+    "skinny_matmul",
     "silu_and_mul",
     "silu_and_mul_ref",
     "store_kv",

@@ -17,7 +17,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from kernels import activation, kv_store, paged_attention, rmsnorm, rotary
+from kernels import activation, kv_store, paged_attention, rmsnorm, rotary, skinny
 
 TARGET = GPUTarget("cuda", 90, 32)
 P = "*bf16"
@@ -39,8 +39,8 @@ def compile_kernel(fn, args: dict, num_warps: int = 4, num_stages: int = 3):
             signature[name], constexprs[name] = "constexpr", value.value
         else:
             signature[name] = value
-            if value.startswith("*") or name.startswith("stride"):
-                # What a real launch specialises: pool pointers and strides divisible by 16.
+            if value.startswith("*") or name.startswith("stride") or name in ("N", "K"):
+                # What a real launch specialises: pointers, strides and matrix sizes divisible by 16.
                 attrs[(i,)] = [["tt.divisibility", 16]]
     src = ASTSource(fn, signature, constexprs, attrs)
     return triton.compile(src, target=TARGET,
@@ -97,6 +97,11 @@ def main() -> int:
             stride_vt="i32", stride_vh="i32", stride_cos="i32", stride_sin="i32", num_q_heads="i32",
             num_k_heads="i32", HEAD_DIM=C(128), HALF=C(64), BLOCK_HALF=C(64), BLOCK_HQ=C(32), BLOCK_HK=C(8)),
             4, 3, False),
+        *(("skinny matmul %dx%d" % (c.kwargs["BLOCK_N"], c.kwargs["BLOCK_K"]), skinny._skinny_matmul_kernel,
+            dict(x_ptr=P, w_ptr=P, b_ptr=P, out_ptr=P, M="i32", N="i32", K="i32", stride_xm="i32", stride_wn="i32",
+                 stride_om="i32", HAS_BIAS=C(False), BLOCK_M=C(16), BLOCK_N=C(c.kwargs["BLOCK_N"]),
+                 BLOCK_K=C(c.kwargs["BLOCK_K"]), DOT_PRECISION=C("tf32")), c.num_warps, c.num_stages, True)
+          for c in skinny._configs()),
         ("silu_and_mul", activation._silu_and_mul_kernel, dict(
             x_ptr=P, out_ptr=P, stride_x="i32", stride_o="i32", n_inter="i32", BLOCK=C(1024)), 4, 3, False),
     ]

@@ -8,6 +8,10 @@
 Every parameter carries a ``weight_loader(param, full_tensor, shard_id)`` that copies this rank's
 part of a full checkpoint tensor, so weights arrive one tensor at a time and a rank never holds
 the whole model. At tensor parallel size 1 the layers are plain linear layers and embeddings.
+
+Every projection goes through ``linear``: on a GPU, a few rows (decode at small batch) take the
+Triton skinny matmul (kernels/skinny.py), which reads the weight near bandwidth where
+cuBLAS's tiles leave SMs idle; everything else is ``F.linear``.
 """
 
 from __future__ import annotations
@@ -18,6 +22,23 @@ import torch.nn.functional as F
 
 from worker.distributed.group import get_tp
 from worker.distributed.partition import head_shard, split_evenly, vocab_shard
+
+
+# Rows up to which a CUDA projection takes the skinny matmul (kernels.skinny.MAX_ROWS at
+# most). cuBLAS keeps its 8-row tiles up to 8 rows, so that is where the skinny kernel's wider grid
+# pays; benchmarks/kernels_gpu.py times both at 1, 8 and 16 rows (docs/BENCHMARKS.md).
+SKINNY_MAX_ROWS = 8
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    if x.is_cuda and 0 < rows <= SKINNY_MAX_ROWS and x.dtype == weight.dtype:
+        from kernels import HAS_TRITON, skinny_matmul
+
+        if HAS_TRITON:
+            out = skinny_matmul(x.reshape(rows, x.shape[-1]), weight, bias)
+            return out.view(*x.shape[:-1], weight.shape[0])
+    return F.linear(x, weight, bias)
 
 
 def _copy_checked(dst: torch.Tensor, src: torch.Tensor, what: str) -> None:
@@ -61,7 +82,7 @@ class QKVParallelLinear(nn.Module):
                       ("q_proj", "k_proj", "v_proj")[shard_id])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias)
 
 
 class MergedColumnParallelLinear(nn.Module):
@@ -82,7 +103,7 @@ class MergedColumnParallelLinear(nn.Module):
         _copy_checked(param.data.narrow(0, offset, count), full.narrow(0, start, count), f"merged part {shard_id}")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight)
+        return linear(x, self.weight)
 
 
 class RowParallelLinear(nn.Module):
@@ -100,7 +121,7 @@ class RowParallelLinear(nn.Module):
         _copy_checked(param.data, full.narrow(1, self.in_start, self.in_count), "row-parallel weight")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return get_tp().all_reduce(F.linear(x, self.weight))
+        return get_tp().all_reduce(linear(x, self.weight))
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -130,5 +151,5 @@ class ParallelLMHead(VocabParallelEmbedding):
     Tied to the embedding, it shares that weight (the same rows of the same slice)."""
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = get_tp().all_gather_last(F.linear(hidden, self.weight))
+        logits = get_tp().all_gather_last(linear(hidden, self.weight))
         return logits[..., : self.vocab_size]
