@@ -24,10 +24,11 @@ from worker.distributed.group import get_tp
 from worker.distributed.partition import head_shard, split_evenly, vocab_shard
 
 
-# Rows up to which a CUDA projection takes the skinny matmul (kernels.skinny.MAX_ROWS at
-# most). cuBLAS keeps its 8-row tiles up to 8 rows, so that is where the skinny kernel's wider grid
-# pays; benchmarks/kernels_gpu.py times both at 1, 8 and 16 rows (docs/BENCHMARKS.md).
-SKINNY_MAX_ROWS = 8
+# Rows up to which a CUDA projection takes the skinny matmul (kernels.skinny.MAX_ROWS at most).
+# Measured on an H100 (benchmarks/kernels_gpu.py --only-skinny, docs/BENCHMARKS.md): at 1 row it
+# beats cuBLAS on every Llama-3.1-8B projection (o_proj 20.9 vs 23.2 us, LM head 351 vs 391 us);
+# at 8 and 16 rows cuBLAS wins on qkv and o_proj, so those stay with cuBLAS.
+SKINNY_MAX_ROWS = 1
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
