@@ -274,7 +274,7 @@ def main() -> None:
     ap.add_argument("--graph-step", type=int, default=32, help="cuda_graph_step: graph sizes above 64")
     ap.add_argument("--only-a", action="store_true", help="kvcascade: only (a)")
     ap.add_argument("--decode-config", default=None, metavar="BLOCK_N,WARPS,STAGES",
-                    help="kvcascade: decode attention tile, warps, stages (default: the kernel's own)")
+                    help="kvcascade: one decode attention tile, warps, stages at every batch (default: the kernel's rule)")
     ap.add_argument("--hf-requests", type=int, default=256, help="requests of workload (b) for transformers")
     ap.add_argument("--hf-skip-a", action="store_true", help="transformers: only workload (b)")
     args = ap.parse_args()
@@ -283,6 +283,7 @@ def main() -> None:
 
         n, w, st = (int(v) for v in args.decode_config.split(","))
         paged_attention.DECODE_BLOCK_N, paged_attention.DECODE_NUM_WARPS, paged_attention.DECODE_NUM_STAGES = n, w, st
+        paged_attention.DECODE_NARROW = (n, w, st)
     res = run_ours(args) if args.part == "ours" else run_hf(args)
     res.update(part=args.part, gpu=torch.cuda.get_device_name(), torch=torch.__version__,
                date=time.strftime("%Y-%m-%d"), command=" ".join(sys.argv),

@@ -147,6 +147,7 @@ def sweep_decode_config(b: Bench) -> None:
     cases = [("B=1 ctx 600", [600], 33), ("B=64 ctx 200-2048", [rng.randint(200, 2048) for _ in range(64)], None),
              ("B=256 ctx 200-2048", [rng.randint(200, 2048) for _ in range(256)], None)]
     chosen = (paged_attention.DECODE_BLOCK_N, paged_attention.DECODE_NUM_WARPS, paged_attention.DECODE_NUM_STAGES)
+    threshold, paged_attention.WIDE_MIN_PROGRAMS_PER_SM = paged_attention.WIDE_MIN_PROGRAMS_PER_SM, 0  # always the swept one
     for label, lens, splits in cases:
         k_cache, v_cache, tables = _pool(lens, b.device)
         ctx = torch.tensor(lens, dtype=torch.int32, device=b.device)
@@ -170,6 +171,7 @@ def sweep_decode_config(b: Bench) -> None:
         del k_cache, v_cache, tables, want
         torch.cuda.empty_cache()
     paged_attention.DECODE_BLOCK_N, paged_attention.DECODE_NUM_WARPS, paged_attention.DECODE_NUM_STAGES = chosen
+    paged_attention.WIDE_MIN_PROGRAMS_PER_SM = threshold
     current = "block_n={} warps={} stages={}".format(*chosen)
     for label, _, _ in cases:
         rows = sorted((r for r in b.results if r.kernel == "decode_config" and r.case == label), key=lambda r: r.ms)

@@ -34,11 +34,15 @@ _LOG2E = 1.4426950408889634
 
 # Tile sizes; module-level so tests can shrink them to exercise many tiles at tiny shapes.
 # Decode tile, warps and stages as swept on an H100 (benchmarks/kernels_gpu.py --sweep-decode,
-# docs/BENCHMARKS.md): 128 tokens a step in 3 stages read a batch of 256 at 95.8% of copy
-# bandwidth against 93.7% for 64 in 2; at head_dim > 128 the tile is halved to fit shared memory.
+# docs/BENCHMARKS.md). A grid of many programs a SM (large batches) reads fastest with 128 tokens
+# a step in 3 stages (95.8% of copy bandwidth at batch 256, against 93.7% for 64 in 2); a smaller
+# grid, with fewer programs resident a SM, with DECODE_NARROW. At head_dim > 128 the tile is halved
+# to fit shared memory.
 DECODE_BLOCK_N = 128  # context tokens per inner step
 DECODE_NUM_WARPS = 4
 DECODE_NUM_STAGES = 3
+DECODE_NARROW = (64, 4, 2)  # (tokens a step, warps, stages) below WIDE_MIN_PROGRAMS_PER_SM
+WIDE_MIN_PROGRAMS_PER_SM = 8
 PREFILL_BLOCK_M = 128  # Q tile rows: BLOCK_M // group query tokens x the group's heads
 PREFILL_BLOCK_N = 64
 # Flash-decoding heuristic: aim for this many programs per SM, but give a split at least
@@ -285,6 +289,8 @@ def paged_decode_attention(
         part_o = part_lse = out  # unused
     block_d = next_power_of_2(head_dim)
     pdl = pdl_launch(q.device)
+    wide = batch * num_kv_heads * num_splits >= WIDE_MIN_PROGRAMS_PER_SM * sm_count(q.device)
+    block_n, num_warps, num_stages = (DECODE_BLOCK_N, DECODE_NUM_WARPS, DECODE_NUM_STAGES) if wide else DECODE_NARROW
     _decode_kernel[(batch, num_kv_heads, num_splits)](
         q, k_cache, v_cache, block_tables, context_lens, out, part_o, part_lse, scale * _LOG2E,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
@@ -292,9 +298,9 @@ def paged_decode_attention(
         NUM_HEADS=num_heads, GROUP=group,
         BLOCK_G=max(16, next_power_of_2(group)),  # tl.dot needs at least 16 rows
         HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_SIZE=block_size,
-        BLOCK_N=DECODE_BLOCK_N if block_d <= 128 else DECODE_BLOCK_N // 2,  # K/V stages in shared memory
+        BLOCK_N=block_n if block_d <= 128 else block_n // 2,  # K/V stages in shared memory
         NUM_SPLITS=num_splits, DOT_PRECISION=_dot_precision(q.dtype),
-        num_warps=DECODE_NUM_WARPS, num_stages=DECODE_NUM_STAGES, **pdl,
+        num_warps=num_warps, num_stages=num_stages, **pdl,
     )
     if num_splits > 1:
         _decode_merge_kernel[(batch, num_heads)](

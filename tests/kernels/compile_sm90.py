@@ -47,13 +47,13 @@ def compile_kernel(fn, args: dict, num_warps: int = 4, num_stages: int = 3):
                           options={"num_warps": num_warps, "num_stages": num_stages, "launch_pdl": True})
 
 
-def _decode_args(splits: int) -> dict:
+def _decode_args(splits: int, block_n: int = paged_attention.DECODE_BLOCK_N) -> dict:
     part = "*fp32" if splits > 1 else P
     return dict(
         q_ptr=P, k_ptr=P, v_ptr=P, bt_ptr="*i32", ctx_ptr="*i32", out_ptr=P, part_o_ptr=part, part_lse_ptr=part,
         qk_scale="fp32", stride_qb="i32", stride_qh="i32", stride_kb="i32", stride_kt="i32", stride_kh="i32",
         stride_bt="i32", stride_ob="i32", stride_oh="i32", NUM_HEADS=C(32), GROUP=C(4), BLOCK_G=C(16),
-        HEAD_DIM=C(128), BLOCK_D=C(128), BLOCK_SIZE=C(16), BLOCK_N=C(paged_attention.DECODE_BLOCK_N),
+        HEAD_DIM=C(128), BLOCK_D=C(128), BLOCK_SIZE=C(16), BLOCK_N=C(block_n),
         NUM_SPLITS=C(splits), DOT_PRECISION=C("tf32"),
     )
 
@@ -74,8 +74,8 @@ def main() -> int:
     cases = [
         ("decode, 1 split", paged_attention._decode_kernel, _decode_args(1), paged_attention.DECODE_NUM_WARPS,
          paged_attention.DECODE_NUM_STAGES, True),
-        ("decode, 8 splits", paged_attention._decode_kernel, _decode_args(8), paged_attention.DECODE_NUM_WARPS,
-         paged_attention.DECODE_NUM_STAGES, True),
+        ("decode, 8 splits", paged_attention._decode_kernel, _decode_args(8, paged_attention.DECODE_NARROW[0]),
+         *paged_attention.DECODE_NARROW[1:], True),
         ("decode merge", paged_attention._decode_merge_kernel, dict(
             part_o_ptr="*fp32", part_lse_ptr="*fp32", out_ptr=P, stride_ob="i32", stride_oh="i32",
             NUM_HEADS=C(32), NUM_SPLITS=C(8), BLOCK_S=C(8), HEAD_DIM=C(128), BLOCK_D=C(128)), 4, 3, False),
