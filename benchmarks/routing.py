@@ -30,8 +30,6 @@ import time
 from collections import Counter
 from pathlib import Path
 
-import grpc
-
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
