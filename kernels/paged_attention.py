@@ -121,9 +121,11 @@ def _decode_kernel(
         )
     # An empty range (context 0, or a split past the end) leaves l = 0: its output is zeros.
     o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-    out_rows = out_ptr + b.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + offs_d[None, :]
     if NUM_SPLITS == 1:
-        tl.store(out_rows, o.to(out_ptr.dtype.element_ty), mask=qo_mask)
+        tl.store(
+            out_ptr + b.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + offs_d[None, :],
+            o.to(out_ptr.dtype.element_ty), mask=qo_mask,
+        )
     else:
         row = (b.to(tl.int64) * NUM_HEADS + heads) * NUM_SPLITS + split  # part_* are [B, H, S(, D)]
         tl.store(part_o_ptr + row[:, None] * HEAD_DIM + offs_d[None, :], o, mask=qo_mask)

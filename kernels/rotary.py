@@ -2,7 +2,7 @@
 
 ``rotary_store_kv`` also writes the rotated k and v into the paged pool in the same program:
 the KV store needs no launch of its own (one small kernel fewer per layer, which at batch 1 is
-latency, not bytes)."""
+latency, not bytes). Both run one kernel; ``STORE_KV`` says whether it writes the pool."""
 
 from __future__ import annotations
 
@@ -12,10 +12,10 @@ from kernels._triton import check_launchable, jit, next_power_of_2, pdl_launch, 
 
 
 @jit
-def _rotated(base, stride_h, num_heads, c1, c2, s1, s2, offs, d_mask, HALF: tl.constexpr, BLOCK_H: tl.constexpr):
-    """One token's heads rotated: x * cos + rotate_half(x) * sin, rotate_half(x) = (-x2, x1).
+def _rotate_heads(base, stride_h, num_heads, c1, c2, s1, s2, offs, d_mask, HALF: tl.constexpr, BLOCK_H: tl.constexpr):
+    """Rotates one token's heads in place: x * cos + rotate_half(x) * sin, rotate_half(x) = (-x2, x1).
 
-    Returns (pointers to each head's first half, mask, rotated first halves, rotated second halves)."""
+    Returns (mask, rotated first halves, rotated second halves) for a caller that stores them again."""
     heads = tl.arange(0, BLOCK_H)
     mask = (heads < num_heads)[:, None] & d_mask[None, :]
     p1 = base + heads[:, None] * stride_h + offs[None, :]
@@ -29,43 +29,68 @@ def _rotated(base, stride_h, num_heads, c1, c2, s1, s2, offs, d_mask, HALF: tl.c
     s2 = s2.to(dt).to(tl.float32)
     x1 = x1.to(tl.float32)
     x2 = x2.to(tl.float32)
-    o1 = (x1 * c1[None, :]).to(dt).to(tl.float32) + (-x2 * s1[None, :]).to(dt).to(tl.float32)
-    o2 = (x2 * c2[None, :]).to(dt).to(tl.float32) + (x1 * s2[None, :]).to(dt).to(tl.float32)
-    return p1, mask, o1.to(dt), o2.to(dt)
-
-
-@jit
-def _rotate_heads(base, stride_h, num_heads, c1, c2, s1, s2, offs, d_mask, HALF: tl.constexpr, BLOCK_H: tl.constexpr):
-    p1, mask, o1, o2 = _rotated(base, stride_h, num_heads, c1, c2, s1, s2, offs, d_mask, HALF, BLOCK_H)
+    o1 = ((x1 * c1[None, :]).to(dt).to(tl.float32) + (-x2 * s1[None, :]).to(dt).to(tl.float32)).to(dt)
+    o2 = ((x2 * c2[None, :]).to(dt).to(tl.float32) + (x1 * s2[None, :]).to(dt).to(tl.float32)).to(dt)
     tl.store(p1, o1, mask=mask)
     tl.store(p1 + HALF, o2, mask=mask)
+    return mask, o1, o2
 
 
 @jit
-def _cos_sin(pos_ptr, cos_ptr, sin_ptr, t, stride_cos, stride_sin, offs, d_mask, HALF: tl.constexpr):
+def _rotary_kernel(
+    pos_ptr, q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_cos, stride_sin,
+    num_q_heads, num_k_heads,
+    HEAD_DIM: tl.constexpr, HALF: tl.constexpr, BLOCK_HALF: tl.constexpr,
+    BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, STORE_KV: tl.constexpr, USE_PDL: tl.constexpr,
+):
+    wait_for_producer(USE_PDL)
+    t = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK_HALF)
+    d_mask = offs < HALF
     pos = tl.load(pos_ptr + t).to(tl.int64)
     # Both halves of the tables are read, so a table whose halves differ is still applied exactly.
     c1 = tl.load(cos_ptr + pos * stride_cos + offs, mask=d_mask, other=0.0)
     c2 = tl.load(cos_ptr + pos * stride_cos + HALF + offs, mask=d_mask, other=0.0)
     s1 = tl.load(sin_ptr + pos * stride_sin + offs, mask=d_mask, other=0.0)
     s2 = tl.load(sin_ptr + pos * stride_sin + HALF + offs, mask=d_mask, other=0.0)
-    return c1, c2, s1, s2
-
-
-@jit
-def _rotary_kernel(
-    pos_ptr, q_ptr, k_ptr, cos_ptr, sin_ptr,
-    stride_qt, stride_qh, stride_kt, stride_kh, stride_cos, stride_sin, num_q_heads, num_k_heads,
-    HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr,
-    USE_PDL: tl.constexpr,
-):
-    wait_for_producer(USE_PDL)
-    t = tl.program_id(0).to(tl.int64)
-    offs = tl.arange(0, BLOCK_HALF)
-    d_mask = offs < HALF
-    c1, c2, s1, s2 = _cos_sin(pos_ptr, cos_ptr, sin_ptr, t, stride_cos, stride_sin, offs, d_mask, HALF)
     _rotate_heads(q_ptr + t * stride_qt, stride_qh, num_q_heads, c1, c2, s1, s2, offs, d_mask, HALF, BLOCK_HQ)
-    _rotate_heads(k_ptr + t * stride_kt, stride_kh, num_k_heads, c1, c2, s1, s2, offs, d_mask, HALF, BLOCK_HK)
+    mask, o1, o2 = _rotate_heads(k_ptr + t * stride_kt, stride_kh, num_k_heads, c1, c2, s1, s2, offs, d_mask,
+                                 HALF, BLOCK_HK)
+    if STORE_KV:
+        # The pool row of slot s is [KVH, D] at s * KVH * D; slot -1 is a padding token (CUDA graphs).
+        slot = tl.load(slot_ptr + t).to(tl.int64)
+        heads = tl.arange(0, BLOCK_HK)
+        dst = tl.maximum(slot, 0) * num_k_heads * HEAD_DIM + heads[:, None] * HEAD_DIM + offs[None, :]
+        keep = mask & (slot >= 0)
+        tl.store(k_cache_ptr + dst, o1.to(k_cache_ptr.dtype.element_ty), mask=keep)
+        tl.store(k_cache_ptr + dst + HALF, o2.to(k_cache_ptr.dtype.element_ty), mask=keep)
+        pv = v_ptr + t * stride_vt + heads[:, None] * stride_vh + offs[None, :]
+        v1 = tl.load(pv, mask=keep, other=0.0)
+        v2 = tl.load(pv + HALF, mask=keep, other=0.0)
+        tl.store(v_cache_ptr + dst, v1.to(v_cache_ptr.dtype.element_ty), mask=keep)
+        tl.store(v_cache_ptr + dst + HALF, v2.to(v_cache_ptr.dtype.element_ty), mask=keep)
+
+
+def _launch(positions, q, k, cos, sin, kv_store=None) -> None:
+    """Checks the shared layout and runs the kernel; ``kv_store`` = (v, k_cache, v_cache, slot_mapping)."""
+    num_tokens, num_q_heads, head_dim = q.shape
+    num_k_heads = k.shape[1]
+    assert head_dim % 2 == 0 and k.shape == (num_tokens, num_k_heads, head_dim)
+    assert q.stride(-1) == 1 and k.stride(-1) == 1 and cos.stride(-1) == 1 and sin.stride(-1) == 1
+    assert cos.shape[-1] == head_dim and sin.shape == cos.shape
+    v, k_cache, v_cache, slots = kv_store if kv_store is not None else (k, k, k, positions)  # unused when not storing
+    if num_tokens == 0:
+        return
+    half = head_dim // 2
+    _rotary_kernel[(num_tokens,)](
+        positions, q, k, v, cos, sin, k_cache, v_cache, slots,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        cos.stride(0), sin.stride(0), num_q_heads, num_k_heads,
+        HEAD_DIM=head_dim, HALF=half, BLOCK_HALF=next_power_of_2(half),
+        BLOCK_HQ=next_power_of_2(num_q_heads), BLOCK_HK=next_power_of_2(num_k_heads),
+        STORE_KV=kv_store is not None, num_warps=4, **pdl_launch(q.device),
+    )
 
 
 def rotary_embedding(
@@ -77,53 +102,8 @@ def rotary_embedding(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotates q and k in place (views of a qkv buffer are fine) and returns them."""
     check_launchable(positions, q, k, cos, sin)
-    num_tokens, num_q_heads, head_dim = q.shape
-    assert head_dim % 2 == 0 and k.shape[0] == num_tokens and k.shape[2] == head_dim
-    assert q.stride(-1) == 1 and k.stride(-1) == 1 and cos.stride(-1) == 1 and sin.stride(-1) == 1
-    assert cos.shape[-1] == head_dim and sin.shape == cos.shape
-    if num_tokens:
-        half = head_dim // 2
-        _rotary_kernel[(num_tokens,)](
-            positions, q, k, cos, sin,
-            q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos.stride(0), sin.stride(0),
-            num_q_heads, k.shape[1],
-            HALF=half, BLOCK_HALF=next_power_of_2(half),
-            BLOCK_HQ=next_power_of_2(num_q_heads), BLOCK_HK=next_power_of_2(k.shape[1]), num_warps=4,
-            **pdl_launch(q.device),
-        )
+    _launch(positions, q, k, cos, sin)
     return q, k
-
-
-@jit
-def _rotary_store_kernel(
-    pos_ptr, q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
-    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_cos, stride_sin,
-    num_q_heads, num_k_heads,
-    HEAD_DIM: tl.constexpr, HALF: tl.constexpr, BLOCK_HALF: tl.constexpr,
-    BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, USE_PDL: tl.constexpr,
-):
-    wait_for_producer(USE_PDL)
-    t = tl.program_id(0).to(tl.int64)
-    offs = tl.arange(0, BLOCK_HALF)
-    d_mask = offs < HALF
-    c1, c2, s1, s2 = _cos_sin(pos_ptr, cos_ptr, sin_ptr, t, stride_cos, stride_sin, offs, d_mask, HALF)
-    _rotate_heads(q_ptr + t * stride_qt, stride_qh, num_q_heads, c1, c2, s1, s2, offs, d_mask, HALF, BLOCK_HQ)
-    p1, mask, o1, o2 = _rotated(k_ptr + t * stride_kt, stride_kh, num_k_heads, c1, c2, s1, s2, offs, d_mask,
-                                HALF, BLOCK_HK)
-    tl.store(p1, o1, mask=mask)
-    tl.store(p1 + HALF, o2, mask=mask)
-    # The pool row of slot s is [KVH, D] at s * KVH * D; slot -1 is a padding token (CUDA graphs).
-    slot = tl.load(slot_ptr + t).to(tl.int64)
-    heads = tl.arange(0, BLOCK_HK)
-    dst = tl.maximum(slot, 0) * num_k_heads * HEAD_DIM + heads[:, None] * HEAD_DIM + offs[None, :]
-    keep = mask & (slot >= 0)
-    tl.store(k_cache_ptr + dst, o1.to(k_cache_ptr.dtype.element_ty), mask=keep)
-    tl.store(k_cache_ptr + dst + HALF, o2.to(k_cache_ptr.dtype.element_ty), mask=keep)
-    pv = v_ptr + t * stride_vt + heads[:, None] * stride_vh + offs[None, :]
-    v1 = tl.load(pv, mask=keep, other=0.0)
-    v2 = tl.load(pv + HALF, mask=keep, other=0.0)
-    tl.store(v_cache_ptr + dst, v1.to(v_cache_ptr.dtype.element_ty), mask=keep)
-    tl.store(v_cache_ptr + dst + HALF, v2.to(v_cache_ptr.dtype.element_ty), mask=keep)
 
 
 def rotary_store_kv(
@@ -139,22 +119,9 @@ def rotary_store_kv(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``rotary_embedding`` then ``store_kv`` in one launch; returns the rotated (q, k)."""
     check_launchable(positions, q, k, v, cos, sin, k_cache, v_cache, slot_mapping)
-    num_tokens, num_q_heads, head_dim = q.shape
-    num_k_heads = k.shape[1]
-    assert head_dim % 2 == 0 and k.shape == (num_tokens, num_k_heads, head_dim) and v.shape == k.shape
-    assert q.stride(-1) == 1 and k.stride(-1) == 1 and v.stride(-1) == 1
-    assert cos.stride(-1) == 1 and sin.stride(-1) == 1 and cos.shape[-1] == head_dim and sin.shape == cos.shape
-    assert k_cache.shape[2:] == (num_k_heads, head_dim) and v_cache.shape == k_cache.shape
+    assert v.shape == k.shape and v.stride(-1) == 1
+    assert k_cache.shape[2:] == k.shape[1:] and v_cache.shape == k_cache.shape
     assert k_cache.is_contiguous() and v_cache.is_contiguous()
-    assert slot_mapping.shape == (num_tokens,) and slot_mapping.is_contiguous()
-    if num_tokens:
-        half = head_dim // 2
-        _rotary_store_kernel[(num_tokens,)](
-            positions, q, k, v, cos, sin, k_cache, v_cache, slot_mapping,
-            q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-            cos.stride(0), sin.stride(0), num_q_heads, num_k_heads,
-            HEAD_DIM=head_dim, HALF=half, BLOCK_HALF=next_power_of_2(half),
-            BLOCK_HQ=next_power_of_2(num_q_heads), BLOCK_HK=next_power_of_2(num_k_heads), num_warps=4,
-            **pdl_launch(q.device),
-        )
+    assert slot_mapping.shape == (q.shape[0],) and slot_mapping.is_contiguous()
+    _launch(positions, q, k, cos, sin, (v, k_cache, v_cache, slot_mapping))
     return q, k

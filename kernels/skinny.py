@@ -52,14 +52,8 @@ def _configs() -> list:
     return [triton.Config({"BLOCK_N": n, "BLOCK_K": k}, num_warps=4, num_stages=s) for n, k, s in shapes]
 
 
-_tuned = None
-
-
-def _tuned_kernel():
-    global _tuned
-    if _tuned is None:
-        _tuned = triton.autotune(configs=_configs(), key=["N", "K", "HAS_BIAS"])(_skinny_matmul_kernel)
-    return _tuned
+# Tuned per (N, K) at its first call for that shape; None without Triton.
+_tuned = triton.autotune(configs=_configs(), key=["N", "K", "HAS_BIAS"])(_skinny_matmul_kernel) if triton else None
 
 
 def skinny_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -79,6 +73,6 @@ def skinny_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         cfg = INTERPRETER_CONFIG
         _skinny_matmul_kernel[(triton.cdiv(n, cfg["BLOCK_N"]),)](*args, **opts, **cfg)
     else:
-        _tuned_kernel()[lambda meta: (triton.cdiv(n, meta["BLOCK_N"]),)](*args, **opts)
+        _tuned[lambda meta: (triton.cdiv(n, meta["BLOCK_N"]),)](*args, **opts)
     return out
 

@@ -87,16 +87,13 @@ def main() -> int:
         ("rms_norm + residual", rmsnorm._rms_norm_kernel, dict(
             x_ptr=P, res_ptr=P, w_ptr=P, out_ptr=P, res_out_ptr=P, stride_x="i32", stride_r="i32",
             stride_o="i32", stride_ro="i32", n_cols="i32", eps="fp32", HAS_RESIDUAL=C(True), BLOCK=C(4096)), 8, 3, False),
-        ("rotary", rotary._rotary_kernel, dict(
-            pos_ptr="*i64", q_ptr=P, k_ptr=P, cos_ptr="*fp32", sin_ptr="*fp32", stride_qt="i32", stride_qh="i32",
-            stride_kt="i32", stride_kh="i32", stride_cos="i32", stride_sin="i32", num_q_heads="i32",
-            num_k_heads="i32", HALF=C(64), BLOCK_HALF=C(64), BLOCK_HQ=C(32), BLOCK_HK=C(8)), 4, 3, False),
-        ("rotary + store_kv", rotary._rotary_store_kernel, dict(
+        *((label, rotary._rotary_kernel, dict(
             pos_ptr="*i64", q_ptr=P, k_ptr=P, v_ptr=P, cos_ptr="*fp32", sin_ptr="*fp32", k_cache_ptr=P,
             v_cache_ptr=P, slot_ptr="*i64", stride_qt="i32", stride_qh="i32", stride_kt="i32", stride_kh="i32",
             stride_vt="i32", stride_vh="i32", stride_cos="i32", stride_sin="i32", num_q_heads="i32",
-            num_k_heads="i32", HEAD_DIM=C(128), HALF=C(64), BLOCK_HALF=C(64), BLOCK_HQ=C(32), BLOCK_HK=C(8)),
-            4, 3, False),
+            num_k_heads="i32", HEAD_DIM=C(128), HALF=C(64), BLOCK_HALF=C(64), BLOCK_HQ=C(32), BLOCK_HK=C(8),
+            STORE_KV=C(store)), 4, 3, False)
+          for label, store in (("rotary", False), ("rotary + store_kv", True))),
         *(("skinny matmul %dx%d" % (c.kwargs["BLOCK_N"], c.kwargs["BLOCK_K"]), skinny._skinny_matmul_kernel,
             dict(x_ptr=P, w_ptr=P, b_ptr=P, out_ptr=P, M="i32", N="i32", K="i32", stride_xm="i32", stride_wn="i32",
                  stride_om="i32", HAS_BIAS=C(False), BLOCK_M=C(16), BLOCK_N=C(c.kwargs["BLOCK_N"]),
