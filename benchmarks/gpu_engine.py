@@ -131,23 +131,132 @@ def run_ours(args) -> dict:
         return (stamps[-1] - stamps[0]) / (len(stamps) - 1)
 
     tpot(engine, 64, 8)  # warm-up
-    res["a_tpot_graphs_s"] = min(tpot(engine) for _ in range(3))
-    engine.config.async_scheduling = False  # the baseline of the same run: no lookahead
-    res["a_tpot_graphs_no_lookahead_s"] = min(tpot(engine) for _ in range(3))
-    engine.config.async_scheduling = True
-    eager = LLMEngine(EngineConfig(**common, cuda_graphs=False, num_kv_blocks=256), tokenizer=engine.tokenizer,
-                      model=engine.model)
-    tpot(eager, 64, 8)
-    res["a_tpot_eager_s"] = min(tpot(eager) for _ in range(2))
-    del eager
-    torch.cuda.empty_cache()
-    res["a_floor_s"] = 2 * params / ceilings["copy_bandwidth_Bps"]  # the issue's floor: all weight bytes
-    # What a decode step must read: every weight but the embedding table (one row of it is read).
-    res["a_floor_read_s"] = 2 * (params - cfg.vocab_size * cfg.hidden_size) / ceilings["copy_bandwidth_Bps"]
+    if args.only_b:  # the prefill shapes' warm-up that (c) otherwise gives
+        engine.generate([random_prompt(rng, 2000, cfg.vocab_size) for _ in range(2)],
+                        SamplingParams(max_tokens=4, temperature=0, ignore_eos=True, detokenize=False))
+    else:
+        res["a_tpot_graphs_s"] = min(tpot(engine) for _ in range(3))
+        engine.config.async_scheduling = False  # the baseline of the same run: no lookahead
+        res["a_tpot_graphs_no_lookahead_s"] = min(tpot(engine) for _ in range(3))
+        engine.config.async_scheduling = True
+        eager = LLMEngine(EngineConfig(**common, cuda_graphs=False, num_kv_blocks=256), tokenizer=engine.tokenizer,
+                          model=engine.model)
+        tpot(eager, 64, 8)
+        res["a_tpot_eager_s"] = min(tpot(eager) for _ in range(2))
+        del eager
+        torch.cuda.empty_cache()
+        res["a_floor_s"] = 2 * params / ceilings["copy_bandwidth_Bps"]  # the issue's floor: all weight bytes
+        # What a decode step must read: every weight but the embedding table (one row of it is read).
+        res["a_floor_read_s"] = 2 * (params - cfg.vocab_size * cfg.hidden_size) / ceilings["copy_bandwidth_Bps"]
     if args.only_a:
         return res
 
-    # (c) prefix-cache TTFT: 1,900 of 2,000 prompt tokens cached vs none.
+    if not args.only_b:
+        res.update(ttft_c(engine, rng, cfg))
+
+    # (b) offline throughput, with the lookahead and without it (the same run's baseline).
+    work = workload_b()
+    brng = random.Random(1)  # its own: the same prompts whichever parts ran before
+    prompts = [random_prompt(brng, p, cfg.vocab_size) for p, _ in work]
+
+    def throughput(lookahead: bool, log_steps: bool = False) -> dict:
+        engine.config.async_scheduling = lookahead
+        engine.block_manager.reset_prefix_cache()
+        preempted = engine.scheduler.num_preemptions
+        steps_log = StepLog(engine.runner) if log_steps else None
+        t = time.perf_counter()
+        for prompt, (_, out) in zip(prompts, work):
+            engine.add_request(prompt, SamplingParams(max_tokens=out, temperature=0, ignore_eos=True, detokenize=False))
+        generated = steps = 0
+        while engine.has_unfinished():
+            generated += sum(len(o.new_token_ids) for o in engine.step())
+            steps += 1
+        wall = time.perf_counter() - t
+        out = {"output_tokens": generated, "wall_s": wall, "tok_s": generated / wall, "steps": steps,
+               "preemptions": engine.scheduler.num_preemptions - preempted}
+        if steps_log is not None:
+            out["breakdown"] = steps_log.breakdown(params, kv_per_token, ceilings)
+        return out
+
+    no_lookahead = None if args.only_b else throughput(False)
+    for key, value in throughput(True, args.steps).items():
+        res[f"b_{key}"] = value
+    for key, value in (no_lookahead or {}).items():
+        res[f"b_no_lookahead_{key}"] = value
+    res["b_floor_s"] = floor_b(work, params, kv_per_token, ceilings)
+    res["b_floor_tok_s"] = sum(o for _, o in work) / res["b_floor_s"]
+    return res
+
+
+class StepLog:
+    """Per launched step of (b): what it held (prefill tokens, decodes, context tokens read) and
+    its device time, from CUDA events recorded behind each step's forward pass (a step's interval
+    runs from the event of the step before: it includes any idle gap the host left, and the
+    previous step's sampling). Costs two list appends and an event a step."""
+
+    BINS = ((193, 256), (129, 192), (65, 128), (17, 64), (1, 16))
+
+    def __init__(self, runner):
+        self.rows: list[tuple[int, int, int]] = []
+        self.events: list[torch.cuda.Event] = []
+        execute = runner.execute
+
+        def logged(inputs, ids=None):
+            n, d = len(inputs.input_ids), inputs.num_decodes
+            self.rows.append((n - d, d, sum(inputs.context_lens[:d])))
+            out = execute(inputs, ids)
+            ev = torch.cuda.Event(enable_timing=True)
+            ev.record()
+            self.events.append(ev)
+            return out
+
+        runner.execute = logged
+        self._restore = lambda: setattr(runner, "execute", execute)
+
+    def breakdown(self, params, kv_per_token, ceilings) -> list[dict]:
+        """Steps grouped as mixed (prefill tokens in the step) or decode by batch size: device
+        seconds against the floor's (weights + the decodes' KV at the copy bandwidth, prefill
+        tokens at the matmul rate) and against a roofline that also lets the decode GEMMs be
+        compute-bound (2 x params FLOPs a decode row)."""
+        self._restore()
+        torch.cuda.synchronize()
+        bw, flops = ceilings["copy_bandwidth_Bps"], ceilings["bf16_matmul_flops"]
+        groups: dict[str, dict] = {}
+        for i in range(1, len(self.events)):
+            prefill, decodes, ctx = self.rows[i]
+            dt = self.events[i - 1].elapsed_time(self.events[i]) / 1e3
+            weights = 2 * params / bw if decodes else 0.0
+            floor = prefill * 2 * params / flops + weights + ctx * kv_per_token / bw
+            roof = (prefill * 2 * params / flops + max(weights, decodes * 2 * params / flops)
+                    + ctx * kv_per_token / bw)
+            if prefill:
+                key = "mixed"
+            else:
+                key = next(f"decode {lo}-{hi}" for lo, hi in self.BINS if lo <= decodes <= hi)
+            g = groups.setdefault(key, {"group": key, "steps": 0, "device_s": 0.0, "floor_s": 0.0, "roofline_s": 0.0,
+                                        "prefill_tokens": 0, "decode_tokens": 0})
+            g["steps"] += 1
+            g["device_s"] += dt
+            g["floor_s"] += floor
+            g["roofline_s"] += roof
+            g["prefill_tokens"] += prefill
+            g["decode_tokens"] += decodes
+        out = sorted(groups.values(), key=lambda g: g["group"])
+        for g in out:
+            g["of_floor"] = g["floor_s"] / g["device_s"]
+            g["excess_s"] = g["device_s"] - g["floor_s"]
+        for g in out:
+            print(f"{g['group']:>14}: {g['steps']:5d} steps {g['device_s']:7.3f} s, floor {g['floor_s']:7.3f} s "
+                  f"({100 * g['of_floor']:5.1f}%), roofline {g['roofline_s']:7.3f} s, excess {g['excess_s']:6.3f} s",
+                  flush=True)
+        return out
+
+
+def ttft_c(engine, rng, cfg) -> dict:
+    """(c) prefix-cache TTFT: 1,900 of 2,000 prompt tokens cached vs none."""
+    from worker.engine.sampling_params import SamplingParams
+
+    res: dict = {}
     cached_seen: list[int] = []
 
     def ttft(prompt) -> float:
@@ -169,33 +278,6 @@ def run_ours(args) -> dict:
     res["c_ttft_cached_1900_s"] = min(ttft(base[:1900] + random_prompt(rng, 100, cfg.vocab_size)) for _ in range(3))
     res["c_ttft_uncached_again_s"] = min(ttft(random_prompt(rng, 2000, cfg.vocab_size)) for _ in range(3))
     res["c_cached_tokens_seen"] = cached_seen
-
-    # (b) offline throughput, with the lookahead and without it (the same run's baseline).
-    work = workload_b()
-    prompts = [random_prompt(rng, p, cfg.vocab_size) for p, _ in work]
-
-    def throughput(lookahead: bool) -> dict:
-        engine.config.async_scheduling = lookahead
-        engine.block_manager.reset_prefix_cache()
-        preempted = engine.scheduler.num_preemptions
-        t = time.perf_counter()
-        for prompt, (_, out) in zip(prompts, work):
-            engine.add_request(prompt, SamplingParams(max_tokens=out, temperature=0, ignore_eos=True, detokenize=False))
-        generated = steps = 0
-        while engine.has_unfinished():
-            generated += sum(len(o.new_token_ids) for o in engine.step())
-            steps += 1
-        wall = time.perf_counter() - t
-        return {"output_tokens": generated, "wall_s": wall, "tok_s": generated / wall, "steps": steps,
-                "preemptions": engine.scheduler.num_preemptions - preempted}
-
-    no_lookahead = throughput(False)
-    for key, value in throughput(True).items():
-        res[f"b_{key}"] = value
-    for key, value in no_lookahead.items():
-        res[f"b_no_lookahead_{key}"] = value
-    res["b_floor_s"] = floor_b(work, params, kv_per_token, ceilings)
-    res["b_floor_tok_s"] = sum(o for _, o in work) / res["b_floor_s"]
     return res
 
 
@@ -273,6 +355,8 @@ def main() -> None:
     ap.add_argument("--budget", type=int, default=8192, help="max_num_batched_tokens")
     ap.add_argument("--graph-step", type=int, default=32, help="cuda_graph_step: graph sizes above 64")
     ap.add_argument("--only-a", action="store_true", help="kvcascade: only (a)")
+    ap.add_argument("--only-b", action="store_true", help="kvcascade: only (b), with the lookahead (no baseline run)")
+    ap.add_argument("--steps", action="store_true", help="kvcascade: (b)'s device time per kind of step (StepLog)")
     ap.add_argument("--decode-config", default=None, metavar="BLOCK_N,WARPS,STAGES",
                     help="kvcascade: one decode attention tile, warps, stages at every batch (default: the kernel's rule)")
     ap.add_argument("--hf-requests", type=int, default=256, help="requests of workload (b) for transformers")
