@@ -17,6 +17,8 @@ The two parts run as separate processes so each has the GPU's memory to itself.
 from __future__ import annotations
 
 import argparse
+import ast
+import importlib
 import json
 import os
 import random
@@ -178,6 +180,11 @@ def run_ours(args) -> dict:
             out["breakdown"] = steps_log.breakdown(params, kv_per_token, ceilings)
         return out
 
+    if args.only_b:  # compile what (b)'s mixed steps launch (the no-lookahead run does it otherwise)
+        for prompt in prompts:
+            engine.add_request(prompt, SamplingParams(max_tokens=2, temperature=0, ignore_eos=True, detokenize=False))
+        while engine.has_unfinished():
+            engine.step()
     no_lookahead = None if args.only_b else throughput(False)
     for key, value in throughput(True, args.steps).items():
         res[f"b_{key}"] = value
@@ -190,24 +197,27 @@ def run_ours(args) -> dict:
 
 class StepLog:
     """Per launched step of (b): what it held (prefill tokens, decodes, context tokens read) and
-    its device time, from CUDA events recorded behind each step's forward pass (a step's interval
-    runs from the event of the step before: it includes any idle gap the host left, and the
-    previous step's sampling). Costs two list appends and an event a step."""
+    its device time, from CUDA events recorded around each step's forward pass. A step's interval
+    runs from the end event of the step before, so it includes any idle gap the host left and the
+    previous step's sampling and input copies; ``forward_s`` is the forward pass alone (start to
+    end event: the graph replay, or an eager step's kernels and launch gaps). Costs two events
+    and a list append a step."""
 
     BINS = ((193, 256), (129, 192), (65, 128), (17, 64), (1, 16))
 
     def __init__(self, runner):
         self.rows: list[tuple[int, int, int]] = []
-        self.events: list[torch.cuda.Event] = []
+        self.events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
         execute = runner.execute
 
         def logged(inputs, ids=None):
             n, d = len(inputs.input_ids), inputs.num_decodes
             self.rows.append((n - d, d, sum(inputs.context_lens[:d])))
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
             out = execute(inputs, ids)
-            ev = torch.cuda.Event(enable_timing=True)
-            ev.record()
-            self.events.append(ev)
+            end.record()
+            self.events.append((start, end))
             return out
 
         runner.execute = logged
@@ -224,7 +234,8 @@ class StepLog:
         groups: dict[str, dict] = {}
         for i in range(1, len(self.events)):
             prefill, decodes, ctx = self.rows[i]
-            dt = self.events[i - 1].elapsed_time(self.events[i]) / 1e3
+            dt = self.events[i - 1][1].elapsed_time(self.events[i][1]) / 1e3
+            forward = self.events[i][0].elapsed_time(self.events[i][1]) / 1e3
             weights = 2 * params / bw if decodes else 0.0
             floor = prefill * 2 * params / flops + weights + ctx * kv_per_token / bw
             roof = (prefill * 2 * params / flops + max(weights, decodes * 2 * params / flops)
@@ -234,9 +245,10 @@ class StepLog:
             else:
                 key = next(f"decode {lo}-{hi}" for lo, hi in self.BINS if lo <= decodes <= hi)
             g = groups.setdefault(key, {"group": key, "steps": 0, "device_s": 0.0, "floor_s": 0.0, "roofline_s": 0.0,
-                                        "prefill_tokens": 0, "decode_tokens": 0})
+                                        "forward_s": 0.0, "prefill_tokens": 0, "decode_tokens": 0})
             g["steps"] += 1
             g["device_s"] += dt
+            g["forward_s"] += forward
             g["floor_s"] += floor
             g["roofline_s"] += roof
             g["prefill_tokens"] += prefill
@@ -247,7 +259,8 @@ class StepLog:
             g["excess_s"] = g["device_s"] - g["floor_s"]
         for g in out:
             print(f"{g['group']:>14}: {g['steps']:5d} steps {g['device_s']:7.3f} s, floor {g['floor_s']:7.3f} s "
-                  f"({100 * g['of_floor']:5.1f}%), roofline {g['roofline_s']:7.3f} s, excess {g['excess_s']:6.3f} s",
+                  f"({100 * g['of_floor']:5.1f}%), roofline {g['roofline_s']:7.3f} s, excess {g['excess_s']:6.3f} s, "
+                  f"forward {g['forward_s']:7.3f} s",
                   flush=True)
         return out
 
@@ -359,6 +372,9 @@ def main() -> None:
     ap.add_argument("--steps", action="store_true", help="kvcascade: (b)'s device time per kind of step (StepLog)")
     ap.add_argument("--decode-config", default=None, metavar="BLOCK_N,WARPS,STAGES",
                     help="kvcascade: one decode attention tile, warps, stages at every batch (default: the kernel's rule)")
+    ap.add_argument("--set", action="append", default=[], metavar="MODULE.NAME=VALUE",
+                    help="override a module-level tuning constant for this run, e.g. "
+                         "kernels.paged_attention.SPLIT_PROGRAMS_PER_SM=8 (an int, a float or a tuple)")
     ap.add_argument("--hf-requests", type=int, default=256, help="requests of workload (b) for transformers")
     ap.add_argument("--hf-skip-a", action="store_true", help="transformers: only workload (b)")
     args = ap.parse_args()
@@ -368,10 +384,18 @@ def main() -> None:
         n, w, st = (int(v) for v in args.decode_config.split(","))
         paged_attention.DECODE_BLOCK_N, paged_attention.DECODE_NUM_WARPS, paged_attention.DECODE_NUM_STAGES = n, w, st
         paged_attention.DECODE_NARROW = (n, w, st)
+    for item in args.set:
+        target, value = item.split("=", 1)
+        module, name = target.rsplit(".", 1)
+        mod = importlib.import_module(module)
+        if not hasattr(mod, name):
+            raise SystemExit(f"--set {item}: {module} has no {name}")
+        setattr(mod, name, ast.literal_eval(value))
     res = run_ours(args) if args.part == "ours" else run_hf(args)
     res.update(part=args.part, gpu=torch.cuda.get_device_name(), torch=torch.__version__,
                date=time.strftime("%Y-%m-%d"), command=" ".join(sys.argv),
-               pdl=os.environ.get("KVCASCADE_PDL", "1") != "0", decode_config=args.decode_config)
+               pdl=os.environ.get("KVCASCADE_PDL", "1") != "0", decode_config=args.decode_config,
+               overrides=args.set)
     text = json.dumps(res, indent=2)
     print(text)
     if args.out:

@@ -35,12 +35,17 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=600)
     ap.add_argument("--ttft", action="store_true", help="profile benchmark (c)'s prefill steps instead")
     ap.add_argument("--timeline", action="store_true", help="only the kernel timeline of graph replays")
+    ap.add_argument("--mixed", type=int, default=None, metavar="DECODES",
+                    help="profile one mixed step instead: DECODES running sequences plus new prompts to the budget")
     args = ap.parse_args()
     eng = LLMEngine(EngineConfig(model="dummy:llama-3.1-8b", device="cuda", dtype="bfloat16", max_model_len=4096,
                                  max_num_batched_tokens=8192, max_num_seqs=256))
     rng = random.Random(0)
     if args.ttft:
         profile_ttft(eng, rng)
+        return
+    if args.mixed is not None:
+        profile_mixed(eng, rng, args.mixed, args.context)
         return
     sp = SamplingParams(max_tokens=400, temperature=0, ignore_eos=True, detokenize=False)
     for b in args.batch or [1, 256]:
@@ -130,6 +135,51 @@ def graph_timeline(eng: LLMEngine, batch: int, replays: int = 5) -> None:
           f"(median gap {sorted(gaps)[len(gaps) // 2] if gaps else 0:.2f} us)")
     for name, times in sorted(by_name.items(), key=lambda kv: -sum(kv[1]))[:16]:
         print(f"  {sum(times) / replays / 1e3:7.3f} ms  {len(times) / replays:5.0f} x {sum(times) / len(times):7.2f} us  {name}")
+
+
+def kernel_table(kernels, rows: int = 16) -> None:
+    by_name: dict[str, list[float]] = {}
+    for e in kernels:
+        by_name.setdefault(e.name[:70], []).append(e.time_range.elapsed_us())
+    for name, times in sorted(by_name.items(), key=lambda kv: -sum(kv[1]))[:rows]:
+        print(f"  {sum(times) / 1e3:7.3f} ms  {len(times):5d} x {sum(times) / len(times):8.2f} us  {name}")
+
+
+def profile_mixed(eng: LLMEngine, rng: random.Random, decodes: int, context: int) -> None:
+    """One step of (b)'s admission phase: ``decodes`` sequences decoding and new prompts
+    (100-1024 tokens, as in the workload) chunked to fill the token budget; eager (no graph for
+    mixed steps). Wall time, kernels' busy time and span, and the kernels by total time."""
+    def prompt(n: int) -> list[int]:
+        return [rng.randrange(1000, 100000) for _ in range(n)]
+
+    sp = SamplingParams(max_tokens=400, temperature=0, ignore_eos=True, detokenize=False)
+    for _ in range(3):  # rounds: warm-up twice (compiles), then profiled
+        for _ in range(decodes):
+            eng.add_request(prompt(context), sp)
+        while eng.scheduler.waiting or any(s.num_computed_tokens < s.num_prompt_tokens for s in eng.scheduler.running):
+            eng.step()
+        eng.config.async_scheduling = False  # plain steps, so the profiled one is whole
+        budget = eng.config.max_num_batched_tokens - decodes
+        while budget > 0:
+            n = rng.randint(100, 1024)
+            eng.add_request(prompt(n), sp)
+            budget -= n
+        torch.cuda.synchronize()
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            t = time.perf_counter()
+            eng.step()
+            torch.cuda.synchronize()
+            wall = time.perf_counter() - t
+        eng.config.async_scheduling = True
+        for s in list(eng.scheduler.running) + list(eng.scheduler.waiting):
+            eng.abort_request(s.request_id)
+    kernels = sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA),
+                     key=lambda e: e.time_range.start)
+    busy = sum(e.time_range.elapsed_us() for e in kernels) / 1e3
+    span = (kernels[-1].time_range.end - kernels[0].time_range.start) / 1e3
+    print(f"mixed step, {decodes} decodes + {eng.config.max_num_batched_tokens - decodes} prefill tokens: "
+          f"wall {wall * 1e3:.2f} ms, {len(kernels)} kernels busy {busy:.2f} ms over a {span:.2f} ms span")
+    kernel_table(kernels, 20)
 
 
 def profile_ttft(eng: LLMEngine, rng: random.Random) -> None:
