@@ -10,6 +10,7 @@ compute-bound, also by TFLOP/s against ``--peak-tflops``. Run from the repositor
     python benchmarks/kernels_gpu.py --out kernels_gpu.json
     python benchmarks/kernels_gpu.py --sweep-splits   # also time decode at fixed split counts
     python benchmarks/kernels_gpu.py --sweep-decode   # decode tile / warps / stages, on the engine's cases
+    python benchmarks/kernels_gpu.py --sweep-prefill  # prefill tiles / warps / stages, on the engine's cases
 
 Shapes: H=32, KVH=8, D=128, block size 16, bf16, hidden 4096, intermediate 14336; decode at
 batch 1 / 64 / 256 with contexts of 512, 4096 and mixed 512-4096; prefill of 4 x 512 new tokens,
@@ -202,6 +203,56 @@ def bench_prefill(b: Bench) -> None:
         torch.cuda.empty_cache()
 
 
+def sweep_prefill_config(b: Bench) -> None:
+    """Prefill attention's Q tile rows, K/V tile, warps and stages, on a step of the offline
+    workload's admission phase (8,192 new tokens: whole prompts of 100-1024 tokens, the last one
+    chunked) and on 4 x 512 new tokens after cached prefixes (chunked prefill, prefix hits)."""
+    rng = random.Random(2)
+    fresh: list[int] = []
+    while sum(fresh) < 8192:
+        fresh.append(min(rng.randint(100, 1024), 8192 - sum(fresh)))
+    cases = [("8192 new, prompts 100-1024", [0] * len(fresh), fresh),
+             ("4x512 after prefixes 0/512/1536/3584", [0, 512, 1536, 3584], [512] * 4)]
+    chosen = (paged_attention.PREFILL_BLOCK_M, paged_attention.PREFILL_BLOCK_N, paged_attention.PREFILL_NUM_WARPS,
+              paged_attention.PREFILL_NUM_STAGES)
+    for label, prefixes, q_lens in cases:
+        lens = [p + n for p, n in zip(prefixes, q_lens)]
+        k_cache, v_cache, tables = _pool(lens, b.device)
+        ctx = torch.tensor(lens, dtype=torch.int32, device=b.device)
+        starts = [0]
+        for n in q_lens:
+            starts.append(starts[-1] + n)
+        query_start = torch.tensor(starts, dtype=torch.int32, device=b.device)
+        q = torch.randn(starts[-1], H, D, dtype=DTYPE, device=b.device)
+        want = K.paged_prefill_attention_ref(q, k_cache, v_cache, tables, query_start, ctx, SCALE)
+        nbytes = sum(lens) * KVH * D * 2 * ELEM + 2 * q.numel() * ELEM
+        flops = 4 * H * D * sum(n * p + n * (n + 1) // 2 for p, n in zip(prefixes, q_lens))
+        for block_m in (64, 128, 256):
+            for block_n in (32, 64, 128):
+                for warps in (4, 8):
+                    for stages in (2, 3, 4):
+                        (paged_attention.PREFILL_BLOCK_M, paged_attention.PREFILL_BLOCK_N,
+                         paged_attention.PREFILL_NUM_WARPS, paged_attention.PREFILL_NUM_STAGES) = block_m, block_n, warps, stages
+                        note = f"block_m={block_m} block_n={block_n} warps={warps} stages={stages}"
+                        fn = lambda: K.paged_prefill_attention(q, k_cache, v_cache, tables, query_start, ctx, SCALE)  # noqa: E731
+                        try:
+                            got = fn()
+                        except Exception as exc:  # out of shared memory or registers
+                            print(f"prefill {label} {note}: {type(exc).__name__}")
+                            continue
+                        b.record("prefill_config", label, fn, nbytes, _err(got, want), 2e-2, flops=flops, note=note)
+        del k_cache, v_cache, tables, want
+        torch.cuda.empty_cache()
+    (paged_attention.PREFILL_BLOCK_M, paged_attention.PREFILL_BLOCK_N, paged_attention.PREFILL_NUM_WARPS,
+     paged_attention.PREFILL_NUM_STAGES) = chosen
+    current = "block_m={} block_n={} warps={} stages={}".format(*chosen)
+    for label, _, _ in cases:
+        rows = sorted((r for r in b.results if r.kernel == "prefill_config" and r.case == label), key=lambda r: r.ms)
+        mine = next((r for r in rows if r.note == current), None)
+        print(f"{label}: best " + "; ".join(f"{r.note} {r.ms:.4f} ms {r.tflops:.0f} TFLOP/s" for r in rows[:3])
+              + (f" | current {current} {mine.ms:.4f} ms {mine.tflops:.0f} TFLOP/s" if mine else ""))
+
+
 def bench_store_kv(b: Bench) -> None:
     for tokens in (256, 2048):
         num_blocks = 4 * tokens // BLOCK_SIZE
@@ -326,6 +377,8 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=100)
     parser.add_argument("--sweep-splits", action="store_true", help="also time decode at fixed split counts")
     parser.add_argument("--sweep-decode", action="store_true", help="only sweep decode tile / warps / stages")
+    parser.add_argument("--sweep-prefill", action="store_true", help="only sweep prefill tiles / warps / stages")
+    parser.add_argument("--only-decode", action="store_true", help="only decode attention (with --sweep-splits: every split count)")
     parser.add_argument("--only-skinny", action="store_true", help="only the skinny matmul against cuBLAS")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
@@ -339,8 +392,14 @@ def main() -> None:
     print(f"{'kernel':<18} {'case':<38} {'ms':>9} {'GB/s':>8} {'%bw':>6} {'TFLOP/s':>7} {'%mm':>6} {'err':>9} ok")
     parts = (bench_skinny_matmul, bench_decode, bench_prefill, bench_store_kv, bench_rotary_store_kv, bench_rms_norm, bench_rotary,
              bench_silu_and_mul)
-    if args.sweep_decode or args.only_skinny:
-        parts = (sweep_decode_config,) if args.sweep_decode else (bench_skinny_matmul,)
+    if args.sweep_decode:
+        parts = (sweep_decode_config,)
+    elif args.sweep_prefill:
+        parts = (sweep_prefill_config,)
+    elif args.only_skinny:
+        parts = (bench_skinny_matmul,)
+    elif args.only_decode:
+        parts = (bench_decode,)
     for part in parts:
         part(b)
 

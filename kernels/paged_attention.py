@@ -45,6 +45,8 @@ DECODE_NARROW = (64, 4, 2)  # (tokens a step, warps, stages) below WIDE_MIN_PROG
 WIDE_MIN_PROGRAMS_PER_SM = 8
 PREFILL_BLOCK_M = 128  # Q tile rows: BLOCK_M // group query tokens x the group's heads
 PREFILL_BLOCK_N = 64
+PREFILL_NUM_WARPS = 8  # 4 when the Q tile is under 128 rows
+PREFILL_NUM_STAGES = 3
 # Flash-decoding heuristic: aim for this many programs per SM, but give a split at least
 # MIN_SPLIT_TOKENS of context (below that the merge costs more than the parallelism gains).
 SPLIT_PROGRAMS_PER_SM = 2
@@ -342,6 +344,6 @@ def paged_prefill_attention(
         block_tables.stride(0), out.stride(0), out.stride(1),
         GROUP=group, BLOCK_Q=block_q, BLOCK_M=block_m, HEAD_DIM=head_dim, BLOCK_D=block_d,
         BLOCK_SIZE=block_size, BLOCK_N=block_n, DOT_PRECISION=_dot_precision(q.dtype),
-        num_warps=8 if block_m >= 128 else 4, num_stages=3, **pdl_launch(q.device),
+        num_warps=PREFILL_NUM_WARPS if block_m >= 128 else 4, num_stages=PREFILL_NUM_STAGES, **pdl_launch(q.device),
     )
     return out
