@@ -43,10 +43,14 @@ DECODE_NUM_WARPS = 4
 DECODE_NUM_STAGES = 3
 DECODE_NARROW = (64, 4, 2)  # (tokens a step, warps, stages) below WIDE_MIN_PROGRAMS_PER_SM
 WIDE_MIN_PROGRAMS_PER_SM = 8
-PREFILL_BLOCK_M = 128  # Q tile rows: BLOCK_M // group query tokens x the group's heads
+# Prefill tiles as swept on an H100 (benchmarks/kernels_gpu.py --sweep-prefill, 54 configs): a Q tile
+# of 64 rows (16 tokens x 4 heads), 64 keys a step, 2 stages took an 8,192-token admission step
+# in 0.241 ms a layer and 4 x 512 tokens after cached prefixes in 0.232 ms, against 0.270 / 0.267
+# for the previous 128 rows, 8 warps, 3 stages.
+PREFILL_BLOCK_M = 64  # Q tile rows: BLOCK_M // group query tokens x the group's heads
 PREFILL_BLOCK_N = 64
-PREFILL_NUM_WARPS = 8  # 4 when the Q tile is under 128 rows
-PREFILL_NUM_STAGES = 3
+PREFILL_NUM_WARPS = 8  # for Q tiles of 128 rows or more; smaller ones take 4
+PREFILL_NUM_STAGES = 2
 # Flash-decoding heuristic: aim for this many programs per SM, but give a split at least
 # MIN_SPLIT_TOKENS of context (below that the merge costs more than the parallelism gains).
 SPLIT_PROGRAMS_PER_SM = 2
@@ -249,6 +253,16 @@ def _check_inputs(
     return num_heads // num_kv_heads
 
 
+def _output(q: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+    """The kernels' output: ``out`` when given (any row stride; heads and dims contiguous, as q's)."""
+    if out is None:
+        return torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    if out.shape != q.shape or out.dtype != q.dtype or out.device != q.device or out.stride(2) != 1:
+        raise ValueError(f"out must be {tuple(q.shape)} {q.dtype} on {q.device} with contiguous rows, "
+                         f"got {tuple(out.shape)} {out.dtype} on {out.device}")
+    return out
+
+
 def _dot_precision(dtype: torch.dtype) -> str:
     # fp32 inputs would otherwise run as TF32 on tensor cores (about 3 significant digits).
     return "ieee" if dtype == torch.float32 else "tf32"
@@ -275,12 +289,13 @@ def paged_decode_attention(
     context_lens: torch.Tensor,  # [B] int32; 0 gives a zero output row
     scale: float,
     num_splits: int | None = None,
+    out: torch.Tensor | None = None,  # written in place when given (rows of a larger batch's output)
 ) -> torch.Tensor:
     check_launchable(q, k_cache, v_cache, block_tables, context_lens)
     group = _check_inputs(q, k_cache, v_cache, block_tables, context_lens)
     batch, num_heads, head_dim = q.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
-    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    out = _output(q, out)
     if batch == 0:
         return out
     if num_splits is None:
@@ -323,6 +338,7 @@ def paged_prefill_attention(
     query_start_loc: torch.Tensor,  # [B + 1] int32
     context_lens: torch.Tensor,  # [B] int32: cached prefix + new tokens
     scale: float,
+    out: torch.Tensor | None = None,  # written in place when given (rows of a larger batch's output)
 ) -> torch.Tensor:
     check_launchable(q, k_cache, v_cache, block_tables, query_start_loc, context_lens)
     group = _check_inputs(q, k_cache, v_cache, block_tables, context_lens)
@@ -331,7 +347,7 @@ def paged_prefill_attention(
     num_seqs = context_lens.shape[0]
     assert query_start_loc.dtype == torch.int32 and query_start_loc.is_contiguous()
     assert query_start_loc.shape[0] == num_seqs + 1
-    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    out = _output(q, out)
     if num_tokens == 0 or num_seqs == 0:
         return out
     block_m = max(PREFILL_BLOCK_M, next_power_of_2(group))

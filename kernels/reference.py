@@ -49,6 +49,13 @@ def _attend(
     return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v).to(q.dtype)
 
 
+def _zeroed(q: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+    if out is None:
+        return torch.zeros_like(q)
+    assert out.shape == q.shape and out.dtype == q.dtype
+    return out.zero_()
+
+
 def paged_decode_attention_ref(
     q: torch.Tensor,  # [B, H, D]
     k_cache: torch.Tensor,  # [num_blocks, block_size, KVH, D]
@@ -57,8 +64,9 @@ def paged_decode_attention_ref(
     context_lens: torch.Tensor,  # [B] int32
     scale: float,
     num_splits: int | None = None,  # a kernel tuning knob; the result does not depend on it
+    out: torch.Tensor | None = None,  # written in place when given
 ) -> torch.Tensor:
-    out = torch.zeros_like(q)
+    out = _zeroed(q, out)
     for b, ctx in enumerate(context_lens.tolist()):
         if ctx == 0:  # an idle (padding) row: zeros
             continue
@@ -77,8 +85,9 @@ def paged_prefill_attention_ref(
     query_start_loc: torch.Tensor,  # [B + 1] int32
     context_lens: torch.Tensor,  # [B] int32: cached prefix + new tokens
     scale: float,
+    out: torch.Tensor | None = None,  # written in place when given
 ) -> torch.Tensor:
-    out = torch.zeros_like(q)
+    out = _zeroed(q, out)
     starts = query_start_loc.tolist()
     for b, ctx in enumerate(context_lens.tolist()):
         s, e = starts[b], starts[b + 1]

@@ -69,6 +69,12 @@ def _prefill_args(group: int) -> dict:
     )
 
 
+def _prefill_launch() -> tuple[int, int]:
+    """Warps and stages as paged_prefill_attention launches the kernel."""
+    warps = paged_attention.PREFILL_NUM_WARPS if paged_attention.PREFILL_BLOCK_M >= 128 else 4
+    return warps, paged_attention.PREFILL_NUM_STAGES
+
+
 def main() -> int:
     assert not os.environ.get("TRITON_INTERPRET"), "unset TRITON_INTERPRET: the kernels must be compiled"
     cases = [
@@ -79,8 +85,8 @@ def main() -> int:
         ("decode merge", paged_attention._decode_merge_kernel, dict(
             part_o_ptr="*fp32", part_lse_ptr="*fp32", out_ptr=P, stride_ob="i32", stride_oh="i32",
             NUM_HEADS=C(32), NUM_SPLITS=C(8), BLOCK_S=C(8), HEAD_DIM=C(128), BLOCK_D=C(128)), 4, 3, False),
-        ("prefill, group 4", paged_attention._prefill_kernel, _prefill_args(4), 8, 3, True),
-        ("prefill, group 7", paged_attention._prefill_kernel, _prefill_args(7), 8, 3, True),
+        ("prefill, group 4", paged_attention._prefill_kernel, _prefill_args(4), *_prefill_launch(), True),
+        ("prefill, group 7", paged_attention._prefill_kernel, _prefill_args(7), *_prefill_launch(), True),
         ("store_kv", kv_store._store_kv_kernel, dict(
             k_ptr=P, v_ptr=P, k_cache_ptr=P, v_cache_ptr=P, slot_ptr="*i64", stride_kt="i32", stride_vt="i32",
             ROW=C(1024), BLOCK=C(1024)), 4, 3, False),

@@ -152,3 +152,39 @@ def test_prefill_of_single_tokens_equals_decode():
     decode = paged_decode_attention(q, k_cache, v_cache, tables, ctx, 0.25, num_splits=2)
 
     torch.testing.assert_close(prefill, decode, atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_decode_and_prefill_write_their_rows_of_one_output(num_splits):
+    """A mixed step: decode rows first, then prefill rows, each kernel writing its rows of one
+    output in place (no copy); rows outside each kernel's slice are left alone."""
+    prefixes, q_lens = [0, 12], [7, 5]
+    k_cache, v_cache, tables, query_start, ctx = _prefill_batch(prefixes, q_lens, 2, 16, 4, torch.float32)
+    d_tables, d_ctx = tables, ctx - 1  # the decode rows read the same sequences' blocks
+    nd, n = 2, 2 + sum(q_lens)
+    q = torch.randn(n, 4, 16)
+    out = torch.full_like(q, float("nan"))
+
+    got_d = paged_decode_attention(q[:nd], k_cache, v_cache, d_tables, d_ctx, 0.25, num_splits=num_splits,
+                                   out=out[:nd])
+    assert got_d.data_ptr() == out.data_ptr() and out[nd:].isnan().all()
+    got_p = paged_prefill_attention(q[nd:], k_cache, v_cache, tables, query_start, ctx, 0.25, out=out[nd:])
+    assert got_p.data_ptr() == out[nd:].data_ptr()
+
+    want = torch.cat([paged_decode_attention_ref(q[:nd], k_cache, v_cache, d_tables, d_ctx, 0.25),
+                      paged_prefill_attention_ref(q[nd:], k_cache, v_cache, tables, query_start, ctx, 0.25)])
+    torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-4)
+    ref_out = torch.full_like(q, float("nan"))
+    paged_prefill_attention_ref(q[nd:], k_cache, v_cache, tables, query_start, ctx, 0.25, out=ref_out[nd:])
+    torch.testing.assert_close(ref_out[nd:], want[nd:])
+    assert ref_out[:nd].isnan().all()
+
+
+def test_out_of_the_wrong_shape_or_dtype_is_refused():
+    k_cache, v_cache = _pool(8, 4, 2, 16, torch.float32)
+    tables = _block_tables([5], 4, 8)
+    ctx = torch.tensor([5], dtype=torch.int32)
+    q = torch.randn(1, 4, 16)
+    for bad in (torch.empty(2, 4, 16), torch.empty(1, 4, 16, dtype=torch.float16), torch.empty(1, 16, 4).transpose(1, 2)):
+        with pytest.raises(ValueError, match="out must be"):
+            paged_decode_attention(q, k_cache, v_cache, tables, ctx, 0.25, out=bad)

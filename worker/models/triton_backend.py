@@ -52,10 +52,10 @@ class TritonAttentionBackend(AttentionBackend):
         if "prefill_query_start" not in extra:  # decodes only (the CUDA-graph case)
             return paged_decode_attention(q, k_cache, v_cache, extra["decode_block_tables"],
                                           extra["decode_context_lens"], scale, extra["decode_num_splits"])
-        out = torch.empty_like(q)
+        out = torch.empty_like(q)  # both kernels write their rows of it in place
         if nd:
-            out[:nd] = paged_decode_attention(q[:nd], k_cache, v_cache, extra["decode_block_tables"],
-                                              extra["decode_context_lens"], scale, extra["decode_num_splits"])
-        out[nd:] = paged_prefill_attention(q[nd:], k_cache, v_cache, extra["prefill_block_tables"],
-                                           extra["prefill_query_start"], extra["prefill_context_lens"], scale)
+            paged_decode_attention(q[:nd], k_cache, v_cache, extra["decode_block_tables"],
+                                   extra["decode_context_lens"], scale, extra["decode_num_splits"], out=out[:nd])
+        paged_prefill_attention(q[nd:], k_cache, v_cache, extra["prefill_block_tables"],
+                                extra["prefill_query_start"], extra["prefill_context_lens"], scale, out=out[nd:])
         return out
