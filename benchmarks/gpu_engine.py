@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import gc
 import importlib
 import json
 import os
@@ -116,7 +117,7 @@ def run_ours(args) -> dict:
     res = {"ceilings": ceilings, "params": params}
     common = dict(model=f"dummy:{PRESET}", device="cuda", dtype="bfloat16", max_model_len=args.max_model_len,
                   max_num_batched_tokens=args.budget, max_num_seqs=256, gpu_memory_utilization=0.9,
-                  cuda_graph_step=args.graph_step)
+                  cuda_graph_step=args.graph_step, freeze_gc=not args.no_gc_freeze)
     t0 = time.perf_counter()
     engine = LLMEngine(EngineConfig(**common))
     res["startup_s"] = time.perf_counter() - t0
@@ -178,6 +179,8 @@ def run_ours(args) -> dict:
                "preemptions": engine.scheduler.num_preemptions - preempted}
         if steps_log is not None:
             out["breakdown"] = steps_log.breakdown(params, kv_per_token, ceilings)
+            out["gc_pauses"] = [(g, round(t * 1e3, 3)) for g, t in steps_log.gc_pauses]
+            out["per_step"] = steps_log.per_step  # [prefill tokens, decodes, interval ms, forward ms]
         return out
 
     if args.only_b:  # compile what (b)'s mixed steps launch (the no-lookahead run does it otherwise)
@@ -221,7 +224,24 @@ class StepLog:
             return out
 
         runner.execute = logged
-        self._restore = lambda: setattr(runner, "execute", execute)
+        # Collections of Python's cyclic GC during the run: (generation, seconds) each.
+        self.gc_pauses: list[tuple[int, float]] = []
+        started = [0.0]
+
+        def on_gc(phase, info):
+            if phase == "start":
+                started[0] = time.perf_counter()
+            else:
+                self.gc_pauses.append((info["generation"], time.perf_counter() - started[0]))
+
+        gc.callbacks.append(on_gc)
+
+        def restore():
+            runner.execute = execute
+            if on_gc in gc.callbacks:
+                gc.callbacks.remove(on_gc)
+
+        self._restore = restore
 
     def breakdown(self, params, kv_per_token, ceilings) -> list[dict]:
         """Steps grouped as mixed (prefill tokens in the step) or decode by batch size: device
@@ -253,6 +273,14 @@ class StepLog:
             g["roofline_s"] += roof
             g["prefill_tokens"] += prefill
             g["decode_tokens"] += decodes
+        self.per_step = [[p, d, round(self.events[i - 1][1].elapsed_time(self.events[i][1]), 3),
+                          round(self.events[i][0].elapsed_time(self.events[i][1]), 3)]
+                         for i, (p, d, _) in enumerate(self.rows) if i]
+        for gen in range(3):
+            pauses = [t for g, t in self.gc_pauses if g == gen]
+            if pauses:
+                print(f"gc generation {gen}: {len(pauses)} collections, {sum(pauses) * 1e3:.1f} ms in all, "
+                      f"longest {max(pauses) * 1e3:.1f} ms", flush=True)
         out = sorted(groups.values(), key=lambda g: g["group"])
         for g in out:
             g["of_floor"] = g["floor_s"] / g["device_s"]
@@ -369,6 +397,7 @@ def main() -> None:
     ap.add_argument("--graph-step", type=int, default=32, help="cuda_graph_step: graph sizes above 64")
     ap.add_argument("--only-a", action="store_true", help="kvcascade: only (a)")
     ap.add_argument("--only-b", action="store_true", help="kvcascade: only (b), with the lookahead (no baseline run)")
+    ap.add_argument("--no-gc-freeze", action="store_true", help="kvcascade: EngineConfig.freeze_gc=False (the baseline)")
     ap.add_argument("--steps", action="store_true", help="kvcascade: (b)'s device time per kind of step (StepLog)")
     ap.add_argument("--decode-config", default=None, metavar="BLOCK_N,WARPS,STAGES",
                     help="kvcascade: one decode attention tile, warps, stages at every batch (default: the kernel's rule)")

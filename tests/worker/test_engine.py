@@ -102,3 +102,25 @@ def test_async_engine_abort_on_close_and_queue_limit(make_engine, prompt_ids):
     finally:
         aeng.shutdown()
     engine.check_integrity()
+
+
+def test_freeze_gc_moves_start_up_objects_out_of_the_collector(make_engine, prompt_ids):
+    """EngineConfig.freeze_gc (on for CUDA, where a full collection mid-run stalls the device):
+    after start-up the model and pool sit in the permanent generation, and the engine still runs."""
+    import gc
+
+    from worker.engine.config import EngineConfig
+    from worker.engine.sampling_params import SamplingParams
+
+    assert EngineConfig(device="cpu").freeze_gc is False
+    assert EngineConfig(device="cuda").freeze_gc is True
+    gc.unfreeze()
+    assert gc.get_freeze_count() == 0
+    try:
+        engine = make_engine(freeze_gc=True)
+        frozen = gc.get_freeze_count()
+        assert frozen > 1000, frozen  # the model's modules and parameters, at least
+        out = engine.generate([prompt_ids[0]], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
+        assert len(out[0]) == 4
+    finally:
+        gc.unfreeze()  # the rest of the test session collects as usual

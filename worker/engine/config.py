@@ -19,6 +19,9 @@ class EngineConfig:
     # Launch decode step N+1 before reading step N's tokens, so the host's scheduling and
     # bookkeeping overlap the device (llm_engine.py: "the lookahead"). None: on for CUDA.
     async_scheduling: bool | None = None
+    # After start-up, freeze what exists (model, pool, graphs) out of Python's cyclic collector,
+    # whose full passes would otherwise walk it all and stall the step loop. None: on for CUDA.
+    freeze_gc: bool | None = None
     # CUDA: the share of GPU memory the engine may use; the KV pool gets what the weights and a
     # warm-up forward at the full token budget leave of it (kv_cache_bytes is then ignored).
     gpu_memory_utilization: float = 0.9
@@ -53,5 +56,7 @@ class EngineConfig:
             raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
         if self.async_scheduling is None:
             self.async_scheduling = self.device.startswith("cuda")
+        if self.freeze_gc is None:
+            self.freeze_gc = self.device.startswith("cuda")
         if self.attention_backend == "auto":
             self.attention_backend = "triton" if self.device.startswith("cuda") else "torch"
