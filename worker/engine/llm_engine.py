@@ -4,18 +4,21 @@
     sampled = model_runner.run(batch)
     outputs = postprocess(batch, sampled)
 
-The lookahead (``async_scheduling``, on for CUDA): while decode steps run (tokens drawn on the device),
-the host never waits for the device between them. Step N is launched and left unread; the next
-call schedules step N+1 for the same sequences (their next input is N's token, still on the
-device), launches it, and only then reads N's tokens and post-processes them:
+The lookahead (``async_scheduling``, on for CUDA): the host never waits for the device between
+steps. Step N is launched and left unread, and the scheduler is told it is done: its sequences'
+computed tokens advance, and each one it samples gains a *pending* token (sampled on the device,
+not yet read). The next call schedules step N+1 as usual (decodes, prefill chunks, admissions),
+a sequence whose next input is its pending token taking it on the device; launches N+1; and only
+then reads N's tokens and post-processes them:
 
     host:    launch N | schedule+launch N+1, read N, postprocess N | schedule+launch N+2, read N+1 ...
     device:  ..... N ..........|............ N+1 ..................|............ N+2 .........
 
-A sequence that N's token finishes (EOS, a stop string) was computed once more in N+1 for
-nothing; that result is dropped (its blocks are already freed, and the write lands in a block no
-one else can hold before N+1 ends, since the device runs steps in order). Anything else -- waiting
-requests, prefill chunks, logprob requests, a full pool -- takes the plain step.
+A sequence whose pending token is its last by length is left out of N+1. One that N's token
+finishes otherwise (EOS, a stop string) was computed once more in N+1 for nothing; that result is
+dropped (its blocks are already freed, and a block freed while N+1 runs is only handed out by a
+later schedule, whose step the device runs after N+1). A step whose sampled rows want logprobs
+takes the plain path (scheduled, then run once N's tokens are in).
 
 AsyncEngine (async_engine.py) drives it from a background thread for servers.
 """
@@ -146,11 +149,13 @@ class LLMEngine:
             return outputs
         if self._can_look_ahead(batch):
             try:
-                self._inflight = _InFlight(batch, self.runner.launch(self.runner.prepare(batch),
-                                                                     [it.seq for it in batch]))
+                self._launch(batch)
                 return outputs
             except Exception as exc:
                 return outputs + self._fail(batch, exc)
+        return outputs + self._run_plain(batch)
+
+    def _run_plain(self, batch: list[ScheduledSeq]) -> list[RequestOutput]:
         try:
             sampled = self.runner.run(batch)
         except Exception as exc:  # a failed step fails its batch, never the engine...
@@ -158,8 +163,8 @@ class LLMEngine:
                 # ...except under tensor parallelism: the ranks may now disagree on where they are
                 # in the step's collectives, and only a restart of all of them is safe.
                 raise
-            return outputs + self._fail(batch, exc)
-        return outputs + self._postprocess(batch, sampled)
+            return self._fail(batch, exc)
+        return self._postprocess(batch, sampled)
 
     def _fail(self, batch: list[ScheduledSeq], exc: Exception) -> list[RequestOutput]:
         log.error("step failed; failing its %d requests", len(batch), exc_info=exc)
@@ -169,55 +174,73 @@ class LLMEngine:
     # --- the lookahead (module docstring) ----------------------------------------------------
 
     def _can_look_ahead(self, batch: list[ScheduledSeq]) -> bool:
-        return (self.config.async_scheduling and self.runner.tp.size == 1 and not self.scheduler.waiting
-                and all(it.num_new_tokens == 1 and it.samples and it.seq.params.logprobs is None
-                        for it in batch))
+        return (self.config.async_scheduling and self.runner.tp.size == 1
+                and all(it.seq.params.logprobs is None for it in batch if it.samples))
 
-    def _schedule_ahead(self, batch: list[ScheduledSeq]) -> list[ScheduledSeq]:
-        """Step N+1 for the sequences of step N (in flight), each one token further; [] when the
-        plain step should take over (requests waiting to be admitted, or no room in the pool)."""
-        if self.scheduler.waiting:
-            return []
-        ahead = []
-        for item in batch:
-            seq = item.seq
-            if seq.finished:  # aborted while in flight
-                continue
-            # After N, seq holds num_tokens + 1 tokens; N's token may be its last.
-            if seq.num_output_tokens + 1 >= seq.params.max_tokens or seq.num_tokens + 1 >= self.max_model_len:
-                continue
-            # Room for the pending token at position num_tokens (computed: num_tokens - 1, plus 2).
-            if not self.block_manager.allocate(seq, 2):
-                return []  # blocks taken for the others stay theirs: the plain step uses them
-            ahead.append(ScheduledSeq(seq, 1))
-        return ahead
+    def _launch(self, batch: list[ScheduledSeq], prev: _InFlight | None = None) -> None:
+        """Launch ``batch`` unread and advance its sequences as if it had run (module docstring)."""
+        prev_index = None
+        if prev is not None:
+            prev_index = {id(it.seq): i for i, it in enumerate(it for it in prev.batch if it.samples)}
+        samplers = [it.seq for it in batch if it.samples]
+        tokens = self.runner.launch(self.runner.prepare(batch, prev_index), samplers,
+                                    prev.tokens.device if prev is not None else None)
+        self._inflight = _InFlight(batch, tokens)
+        for it in batch:
+            seq = it.seq
+            seq.num_computed_tokens += it.num_new_tokens
+            # Blocks whose tokens are all known can be found by the next schedule already: any
+            # step that reads them runs on the device after this one has written them.
+            self.block_manager.cache_full_blocks(seq)
+            if it.samples:
+                seq.num_pending_tokens += 1
+
+    def _last_token_pending(self, seq: Sequence) -> bool:
+        """The token in flight ends ``seq`` by length: nothing to schedule after it."""
+        return seq.num_pending_tokens > 0 and (
+            seq.num_output_tokens + seq.num_pending_tokens >= seq.params.max_tokens
+            or seq.num_tokens >= self.max_model_len)
 
     def _step_ahead(self) -> list[RequestOutput]:
         current, self._inflight = self._inflight, None
-        ahead = self._schedule_ahead(current.batch)
+        outputs: list[RequestOutput] = []
+        batch: list[ScheduledSeq] = []
         try:
-            if ahead:
-                prev_rows = {id(it.seq): i for i, it in enumerate(current.batch)}
-                inputs = self.runner.prepare_ahead([it.seq for it in ahead], [prev_rows[id(it.seq)] for it in ahead])
-                self._inflight = _InFlight(ahead, self.runner.launch(inputs, [it.seq for it in ahead],
-                                                                     current.tokens.device))
+            skip = frozenset(id(it.seq) for it in current.batch if self._last_token_pending(it.seq))
+            batch, overflow = self.scheduler.schedule(skip)
+            outputs = [self._finish(seq, "length") for seq in overflow]
+            if batch and self._can_look_ahead(batch):
+                self._launch(batch, current)
+                batch = []
             tokens = current.tokens.tolist()  # waits for step N only: N+1 is queued behind it
         except Exception as exc:
-            self._inflight = None
-            return self._fail(current.batch + ahead, exc)
-        return self._postprocess(current.batch, [(t, None) for t in tokens])
+            launched, self._inflight = self._inflight, None
+            return outputs + self._fail(current.batch + batch + (launched.batch if launched else []), exc)
+        it = iter(tokens)
+        outputs += self._postprocess(current.batch, [(next(it), None) if item.samples else None
+                                                     for item in current.batch], looked_ahead=True)
+        if batch:  # scheduled, not launched (logprobs wanted): a plain step, now that N's tokens are in
+            batch = [item for item in batch if not item.seq.finished]
+            if batch:
+                outputs += self._run_plain(batch)
+        return outputs
 
-    def _postprocess(self, batch: list[ScheduledSeq], sampled) -> list[RequestOutput]:
+    def _postprocess(self, batch: list[ScheduledSeq], sampled, looked_ahead: bool = False) -> list[RequestOutput]:
+        """Apply a step's results. ``looked_ahead``: the step was launched by the lookahead, which
+        advanced its sequences already; its sampled tokens are their pending ones."""
         outputs = []
         now = time.monotonic()
         for item, result in zip(batch, sampled):
             seq = item.seq
             if seq.finished:  # aborted, or finished by the step before (a lookahead step's extra)
                 continue
-            seq.num_computed_tokens += item.num_new_tokens
-            self.block_manager.cache_full_blocks(seq)
+            if not looked_ahead:
+                seq.num_computed_tokens += item.num_new_tokens
+                self.block_manager.cache_full_blocks(seq)
             if result is None:
                 continue
+            if looked_ahead:
+                seq.num_pending_tokens -= 1
             token, logprob = result
             seq.token_ids.append(token)
             seq.pending_token_ids.append(token)
@@ -237,7 +260,7 @@ class LLMEngine:
         hit_stop_string = p.detokenize and self.tokenizer is not None and update_text(seq, self.tokenizer)
         if hit_stop_string or token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_token_ids):
             return "stop"
-        if seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.max_model_len:
+        if seq.num_output_tokens >= p.max_tokens or len(seq.token_ids) >= self.max_model_len:
             return "length"
         return None
 

@@ -49,7 +49,9 @@ class StepInputs:
     block_tables: list[list[int]]
     num_decodes: int
     sample_rows: list[int]  # rows of the flat batch whose logits are sampled
-    # The lookahead: input ids are the previous step's tokens at these rows (still on the device).
+    # The lookahead: rows of this step whose input id is a token the step before sampled and
+    # nobody has read (``ahead_rows``), and that token's index among the step before's tokens.
+    ahead_rows: list[int] | None = None
     prev_rows: list[int] | None = None
 
 
@@ -88,16 +90,26 @@ class ModelRunner:
             return [None] * len(batch)
         return self._sample(batch, logits)
 
-    def prepare(self, batch: list[ScheduledSeq]) -> StepInputs:
+    def prepare(self, batch: list[ScheduledSeq], prev_index: dict[int, int] | None = None) -> StepInputs:
+        """``prev_index`` (the lookahead): id(seq) -> index of its pending token among the tokens of
+        the step in flight; a sequence whose next input is that token reads it on the device."""
         input_ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
         query_start = [0]
         context_lens, block_tables, sample_rows = [], [], []
+        ahead_rows: list[int] = []
+        prev_rows: list[int] = []
         bs = self.block_size
         for item in batch:
             seq, start, n = item.seq, item.seq.num_computed_tokens, item.num_new_tokens
-            input_ids.extend(seq.token_ids[start : start + n])
+            known = seq.token_ids[start : start + n]
+            if len(known) < n:  # its input is the token in flight: a decode row fed on the device
+                assert n == 1 and prev_index is not None and id(seq) in prev_index, "input token not sampled yet"
+                ahead_rows.append(len(input_ids))
+                prev_rows.append(prev_index[id(seq)])
+                known = [0]
+            input_ids.extend(known)
             pos = range(start, start + n)
             positions.extend(pos)
             slots.extend(seq.block_table[p // bs] * bs + p % bs for p in pos)
@@ -109,33 +121,27 @@ class ModelRunner:
         # The scheduler puts single-token steps first; the backend batches that run as decodes.
         num_decodes = next((i for i, it in enumerate(batch) if it.num_new_tokens != 1), len(batch))
         return StepInputs(input_ids, positions, slots, query_start, context_lens, block_tables, num_decodes,
-                          sample_rows)
-
-    def prepare_ahead(self, seqs: list, prev_rows: list[int]) -> StepInputs:
-        """Decode inputs for sequences whose next input token is still on the device (the step
-        before has sampled it but nobody has read it): position = their known length."""
-        bs = self.block_size
-        positions = [s.num_tokens for s in seqs]
-        slots = [s.block_table[p // bs] * bs + p % bs for s, p in zip(seqs, positions)]
-        n = len(seqs)
-        return StepInputs([0] * n, positions, slots, list(range(n + 1)), [p + 1 for p in positions],
-                          [s.block_table for s in seqs], n, list(range(n)), prev_rows)
+                          sample_rows, ahead_rows or None, prev_rows or None)
 
     @torch.inference_mode()
-    def launch(self, inputs: StepInputs, seqs: list, prev_tokens: torch.Tensor | None = None) -> "PendingTokens":
-        """Enqueue one step in which every sequence samples (none wants logprobs) and return its
-        tokens unread: the host goes on while the device works. ``prev_tokens``: the step
-        before's (on the device), feeding ``prev_rows``."""
+    def launch(self, inputs: StepInputs, samplers: list, prev_tokens: torch.Tensor | None = None) -> "PendingTokens":
+        """Enqueue one step (no sampled row wants logprobs) and return its tokens unread, one per
+        sampled row (``samplers``: their sequences, in row order): the host goes on while the
+        device works. ``prev_tokens``: the step before's (on the device), feeding ``ahead_rows``."""
         ids = None
-        if inputs.prev_rows is not None:
-            rows = inputs.prev_rows
-            if rows == list(range(len(rows))):  # the usual case: nobody left the batch
-                ids = prev_tokens[: len(rows)]
-            else:  # a non-blocking copy: one that waited for step N would undo the overlap
-                ids = prev_tokens.index_select(0, to_device(rows, self.device, torch.long))
+        if inputs.ahead_rows is not None:
+            n, rows, prev = len(inputs.input_ids), inputs.ahead_rows, inputs.prev_rows
+            if rows == prev == list(range(n)):  # the usual decode step: nobody left the batch
+                ids = prev_tokens[:n]
+            else:  # non-blocking copies only: one that waited for the step in flight would undo the overlap
+                ids = to_device(inputs.input_ids, self.device, torch.long)
+                ids.index_copy_(0, to_device(rows, self.device, torch.long),
+                                prev_tokens.index_select(0, to_device(prev, self.device, torch.long)))
         logits = self.execute(inputs, ids)
-        return PendingTokens(sample_tokens(logits, [s.params for s in seqs],
-                                           [s.generator_on(logits.device) for s in seqs]))
+        if logits is None:  # prefill chunks only: nothing samples
+            return PendingTokens(torch.empty(0, dtype=torch.long, device=self.device))
+        return PendingTokens(sample_tokens(logits, [s.params for s in samplers],
+                                           [s.generator_on(logits.device) for s in samplers]))
 
     @torch.inference_mode()
     def execute(self, inputs: StepInputs, ids: torch.Tensor | None = None) -> torch.Tensor | None:
@@ -145,8 +151,10 @@ class ModelRunner:
         if self.graphs is not None and inputs.num_decodes == n and self.graphs.fits(n):
             return self.graphs.run(inputs.input_ids, inputs.positions, inputs.slots, inputs.block_tables,
                                    inputs.context_lens, ids)
+        # Host-to-device copies through pinned memory (to_device): with the lookahead a step is
+        # prepared while the one before runs, and a pageable copy would wait for it.
         meta = AttentionMetadata(
-            slot_mapping=torch.tensor(inputs.slots, dtype=torch.long, device=self.device),
+            slot_mapping=to_device(inputs.slots, self.device, torch.long),
             query_start=inputs.query_start,
             context_lens=inputs.context_lens,
             block_tables=inputs.block_tables,
@@ -157,13 +165,13 @@ class ModelRunner:
         )
         self.backend.prepare(meta, self.device)
         if ids is None:
-            ids = torch.tensor(inputs.input_ids, dtype=torch.long, device=self.device)
-        pos_t = torch.tensor(inputs.positions, dtype=torch.long, device=self.device)
+            ids = to_device(inputs.input_ids, self.device, torch.long)
+        pos_t = to_device(inputs.positions, self.device, torch.long)
         with forward_context(meta):
             hidden = self.model(ids, pos_t)
         if not inputs.sample_rows:
             return None
-        return self.model.compute_logits(hidden[torch.tensor(inputs.sample_rows, device=self.device)])
+        return self.model.compute_logits(hidden[to_device(inputs.sample_rows, self.device, torch.long)])
 
     def follow(self) -> None:
         """Ranks > 0: run the steps rank 0 broadcasts until it broadcasts None (``close``)."""

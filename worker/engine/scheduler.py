@@ -11,7 +11,7 @@ recomputes later (its full blocks usually come back from the prefix cache).
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from worker.engine.block_manager import BlockManager
 from worker.engine.sequence import Sequence, SequenceStatus
@@ -21,11 +21,12 @@ from worker.engine.sequence import Sequence, SequenceStatus
 class ScheduledSeq:
     seq: Sequence
     num_new_tokens: int
+    # True when this step completes the sequence's tokens, so the last one's logits give a token.
+    # Fixed when scheduled: the lookahead advances the sequence before the step's tokens are read.
+    samples: bool = field(init=False)
 
-    @property
-    def samples(self) -> bool:
-        """True when this step completes the known tokens, so the last one's logits give a token."""
-        return self.seq.num_computed_tokens + self.num_new_tokens == self.seq.num_tokens
+    def __post_init__(self) -> None:
+        self.samples = self.seq.num_computed_tokens + self.num_new_tokens == self.seq.num_tokens
 
 
 class Scheduler:
@@ -43,8 +44,10 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def schedule(self) -> tuple[list[ScheduledSeq], list[Sequence]]:
-        """This step's work, decodes first; and sequences that can never fit (to finish by length)."""
+    def schedule(self, skip: frozenset[int] = frozenset()) -> tuple[list[ScheduledSeq], list[Sequence]]:
+        """This step's work, decodes first; and sequences that can never fit (to finish by length).
+        ``skip``: ids of running sequences to leave out (the lookahead: their pending token is
+        their last; they keep their blocks until it is read)."""
         budget = self.max_num_batched_tokens
         scheduled: list[ScheduledSeq] = []
         overflow: list[Sequence] = []
@@ -52,6 +55,9 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
+            if id(seq) in skip:
+                i += 1
+                continue
             num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
             outcome = self._allocate_or_preempt(seq, num_new)
             if outcome == "ok":
@@ -64,6 +70,8 @@ class Scheduler:
         # Admit waiting sequences; not in a step that had to preempt (they would only thrash).
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not preempted:
             seq = self.waiting[0]
+            if seq.num_pending_tokens:  # preempted with a token in flight: admitted once it is read
+                break
             cached = self.bm.find_cached_prefix(seq)
             num_cached = len(cached[0]) * self.bm.block_size
             num_new = min(seq.num_tokens - num_cached, budget)

@@ -29,6 +29,10 @@ class Sequence:
     token_ids: list[int] = field(default_factory=list)
     # tokens whose K/V are in this sequence's blocks; a step computes [num_computed, +num_new)
     num_computed_tokens: int = 0
+    # Tokens sampled on the device by launched steps and not read yet (the lookahead: 0-2). They
+    # count in num_tokens, so the scheduler plans the next step as if they were known; the step
+    # whose input one is takes it from the device.
+    num_pending_tokens: int = 0
     block_table: list[int] = field(default_factory=list)
     # chained hashes of the full blocks of token_ids that are registered (or found) in the cache
     block_hashes: list[int] = field(default_factory=list)
@@ -64,7 +68,8 @@ class Sequence:
 
     @property
     def num_tokens(self) -> int:
-        return len(self.token_ids)
+        """Known tokens plus those sampled and not yet read."""
+        return len(self.token_ids) + self.num_pending_tokens
 
     @property
     def output_token_ids(self) -> list[int]:
@@ -72,6 +77,7 @@ class Sequence:
 
     @property
     def num_output_tokens(self) -> int:
+        """Output tokens known (read back), not counting pending ones."""
         return len(self.token_ids) - self.num_prompt_tokens
 
     @property
