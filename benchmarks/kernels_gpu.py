@@ -173,12 +173,17 @@ def sweep_decode_config(b: Bench) -> None:
         torch.cuda.empty_cache()
     paged_attention.DECODE_BLOCK_N, paged_attention.DECODE_NUM_WARPS, paged_attention.DECODE_NUM_STAGES = chosen
     paged_attention.WIDE_MIN_PROGRAMS_PER_SM = threshold
-    current = "block_n={} warps={} stages={}".format(*chosen)
-    for label, _, _ in cases:
-        rows = sorted((r for r in b.results if r.kernel == "decode_config" and r.case == label), key=lambda r: r.ms)
+    _sweep_summary(b, "decode_config", [c[0] for c in cases], "block_n={} warps={} stages={}".format(*chosen),
+                   lambda r: f"{100 * r.bw_frac:.1f}%")
+
+
+def _sweep_summary(b: Bench, kernel: str, labels: list[str], current: str, score: Callable[[Result], str]) -> None:
+    """Per swept case: the three fastest configs, and the current one."""
+    for label in labels:
+        rows = sorted((r for r in b.results if r.kernel == kernel and r.case == label), key=lambda r: r.ms)
         mine = next((r for r in rows if r.note == current), None)
-        print(f"{label}: best " + "; ".join(f"{r.note} {r.ms:.4f} ms {100 * r.bw_frac:.1f}%" for r in rows[:3])
-              + (f" | current {current} {mine.ms:.4f} ms {100 * mine.bw_frac:.1f}%" if mine else ""))
+        print(f"{label}: best " + "; ".join(f"{r.note} {r.ms:.4f} ms {score(r)}" for r in rows[:3])
+              + (f" | current {current} {mine.ms:.4f} ms {score(mine)}" if mine else ""))
 
 
 def bench_prefill(b: Bench) -> None:
@@ -245,12 +250,8 @@ def sweep_prefill_config(b: Bench) -> None:
         torch.cuda.empty_cache()
     (paged_attention.PREFILL_BLOCK_M, paged_attention.PREFILL_BLOCK_N, paged_attention.PREFILL_NUM_WARPS,
      paged_attention.PREFILL_NUM_STAGES) = chosen
-    current = "block_m={} block_n={} warps={} stages={}".format(*chosen)
-    for label, _, _ in cases:
-        rows = sorted((r for r in b.results if r.kernel == "prefill_config" and r.case == label), key=lambda r: r.ms)
-        mine = next((r for r in rows if r.note == current), None)
-        print(f"{label}: best " + "; ".join(f"{r.note} {r.ms:.4f} ms {r.tflops:.0f} TFLOP/s" for r in rows[:3])
-              + (f" | current {current} {mine.ms:.4f} ms {mine.tflops:.0f} TFLOP/s" if mine else ""))
+    _sweep_summary(b, "prefill_config", [c[0] for c in cases],
+                   "block_m={} block_n={} warps={} stages={}".format(*chosen), lambda r: f"{r.tflops:.0f} TFLOP/s")
 
 
 def bench_store_kv(b: Bench) -> None:
