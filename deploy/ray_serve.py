@@ -20,6 +20,7 @@ import logging
 import os
 import tempfile
 
+from kvcascade.launch import StartupError
 from worker.engine.config import EngineConfig
 
 log = logging.getLogger("kvcascade")
@@ -55,6 +56,7 @@ async def start_ray_workers(configs: list[EngineConfig], workers: int, running, 
     _init_ray(address, sum(c.tensor_parallel_size for c in configs) * workers)
     running.on_stop(ray.shutdown)
     started: list[tuple[object, object]] = []
+    never_started: set[int] = set()  # actors whose __init__ failed: nothing to drain
 
     async def drain(actor) -> None:
         try:
@@ -63,12 +65,13 @@ async def start_ray_workers(configs: list[EngineConfig], workers: int, running, 
             log.warning("a worker did not drain cleanly: %r", exc)
 
     async def drain_and_remove() -> None:
-        await asyncio.gather(*(drain(actor) for actor, _ in started))
+        await asyncio.gather(*(drain(actor) for actor, _ in started if id(actor) not in never_started))
         for actor, pg in started:
             ray.kill(actor, no_restart=True)
             remove_placement_group(pg)
 
     running.on_stop(drain_and_remove)
+    worker_ids: list[str] = []
     for config in configs:
         name = config.model.replace("/", "_").replace(":", "_")
         for i in range(workers):
@@ -83,7 +86,25 @@ async def start_ray_workers(configs: list[EngineConfig], workers: int, running, 
             actor = WorkerActor.options(name=worker_id, scheduling_strategy=in_bundle(pg, 0), **resources).remote(
                 config, opts, pg)
             started.append((actor, pg))
-    addresses = await asyncio.gather(*(actor.address.remote() for actor, _ in started))
-    for (actor, _), addr in zip(started, addresses):
-        log.info("ray worker at %s", addr)
+            worker_ids.append(worker_id)
+    addresses = await asyncio.gather(*(actor.address.remote() for actor, _ in started), return_exceptions=True)
+    failed = []
+    for worker_id, (actor, _), addr in zip(worker_ids, started, addresses):
+        if isinstance(addr, BaseException):
+            failed.append(f"worker {worker_id} failed to start: {_cause(addr)}")
+            if getattr(addr, "actor_init_failed", False):
+                never_started.add(id(actor))
+        else:
+            log.info("ray worker %s at %s", worker_id, addr)
+    if failed:  # a worker that cannot start would not start on a retry either: say so and stop
+        raise StartupError("; ".join(failed))
     return [actor for actor, _ in started]
+
+
+def _cause(exc: BaseException) -> str:
+    """One line for a Ray actor's failure: for an error raised in its ``__init__``, that error's
+    last line (``ValueError: ...``); else Ray's own first line."""
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    if getattr(exc, "actor_init_failed", False) and lines:
+        return lines[-1]
+    return lines[0] if lines else type(exc).__name__

@@ -349,10 +349,15 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("router needs --redis-url: that is where workers register (kvcascade serve runs "
                      "router and worker in one process without Redis)")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from kvcascade.launch import StartupError
+
     try:
         asyncio.run(_run(args))
     except KeyboardInterrupt:  # a Ctrl-C while the model is still loading
         return 130
+    except StartupError as err:  # everything started so far has been stopped by then
+        print(f"kvcascade {args.command}: error: {err}", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -22,6 +22,11 @@ from worker.engine.config import EngineConfig
 log = logging.getLogger("kvcascade")
 
 
+class StartupError(RuntimeError):
+    """A part of the deployment could not start; the message says which and why (the CLI prints it
+    as one line and exits 1, the part's own log has the traceback)."""
+
+
 @dataclass
 class WorkerOptions:
     host: str = "127.0.0.1"

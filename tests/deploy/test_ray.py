@@ -99,6 +99,24 @@ def cluster():
         shutil.rmtree(tmp, ignore_errors=True)
 
 
+def test_a_worker_that_cannot_start_ends_serve_with_its_error():
+    """A worker failing in its actor's __init__ (here: a KV cache too small for one block) is not
+    restarted over and over: `kvcascade serve` stops what it started and exits 1 with one line
+    naming the worker and the cause. Runs first: its own local Ray, before the module's cluster."""
+    t = time.monotonic()
+    proc = subprocess.run(
+        [sys.executable, "-m", "kvcascade", "serve", "--workers", "1", "--kv-cache-memory", "1KiB",
+         "--port", str(free_port()), "--http-port", str(free_port())],
+        cwd=REPO, env=ENV, capture_output=True, text=True, timeout=240)
+    elapsed = time.monotonic() - t
+    last = proc.stderr.strip().splitlines()[-1]
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert last == ("kvcascade serve: error: worker ray-0 failed to start: "
+                    "ValueError: kv_cache_bytes=1024 holds no KV block of this model"), proc.stderr[-3000:]
+    assert "did not drain cleanly" not in proc.stderr
+    assert elapsed < 180
+
+
 def generate(target: str, ids: list[int], max_tokens: int, timeout: float = 300, on_first=None):
     """(token ids, final message) of one greedy request through the router; raises grpc.RpcError."""
     req = pb.GenerateRequest(sampling=pb.SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True))
