@@ -187,19 +187,25 @@ class LLMEngine:
                                     prev.tokens.device if prev is not None else None)
         self._inflight = _InFlight(batch, tokens)
         for it in batch:
-            seq = it.seq
-            seq.num_computed_tokens += it.num_new_tokens
             # Blocks whose tokens are all known can be found by the next schedule already: any
             # step that reads them runs on the device after this one has written them.
-            self.block_manager.cache_full_blocks(seq)
+            self._advance(it)
             if it.samples:
-                seq.num_pending_tokens += 1
+                it.seq.num_pending_tokens += 1
+
+    def _advance(self, item: ScheduledSeq) -> None:
+        """The step computed ``item``'s new tokens: count them and cache the blocks they fill."""
+        item.seq.num_computed_tokens += item.num_new_tokens
+        self.block_manager.cache_full_blocks(item.seq)
+
+    def _ends_by_length(self, seq: Sequence, pending: int = 0) -> bool:
+        """``seq`` is done by length once it holds ``pending`` more tokens than are known."""
+        return (seq.num_output_tokens + pending >= seq.params.max_tokens
+                or len(seq.token_ids) + pending >= self.max_model_len)
 
     def _last_token_pending(self, seq: Sequence) -> bool:
         """The token in flight ends ``seq`` by length: nothing to schedule after it."""
-        return seq.num_pending_tokens > 0 and (
-            seq.num_output_tokens + seq.num_pending_tokens >= seq.params.max_tokens
-            or seq.num_tokens >= self.max_model_len)
+        return seq.num_pending_tokens > 0 and self._ends_by_length(seq, seq.num_pending_tokens)
 
     def _step_ahead(self) -> list[RequestOutput]:
         current, self._inflight = self._inflight, None
@@ -235,8 +241,7 @@ class LLMEngine:
             if seq.finished:  # aborted, or finished by the step before (a lookahead step's extra)
                 continue
             if not looked_ahead:
-                seq.num_computed_tokens += item.num_new_tokens
-                self.block_manager.cache_full_blocks(seq)
+                self._advance(item)
             if result is None:
                 continue
             if looked_ahead:
@@ -260,7 +265,7 @@ class LLMEngine:
         hit_stop_string = p.detokenize and self.tokenizer is not None and update_text(seq, self.tokenizer)
         if hit_stop_string or token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_token_ids):
             return "stop"
-        if seq.num_output_tokens >= p.max_tokens or len(seq.token_ids) >= self.max_model_len:
+        if self._ends_by_length(seq):
             return "length"
         return None
 

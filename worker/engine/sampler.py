@@ -40,13 +40,12 @@ def sample(
     logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]
 ) -> tuple[list[int], list[TokenLogprob | None]]:
     """One token per row of ``logits`` [N, V]; with it, its logprob entry when asked for."""
-    logits = logits.float()
     tokens = sample_tokens(logits, params, generators)
     token_list = tokens.tolist()
     want = [i for i, p in enumerate(params) if p.logprobs is not None]
     entries: list[TokenLogprob | None] = [None] * len(params)
     if want:
-        logprobs = logits[want].log_softmax(dim=-1)
+        logprobs = logits[want].float().log_softmax(dim=-1)
         top_n = max(params[i].logprobs for i in want)
         top_vals, top_ids = logprobs.topk(top_n, dim=-1) if top_n else (None, None)
         chosen = logprobs.gather(1, tokens[want].unsqueeze(1)).squeeze(1).tolist()
