@@ -65,6 +65,7 @@ def paged_decode_attention_ref(
     scale: float,
     num_splits: int | None = None,  # a kernel tuning knob; the result does not depend on it
     out: torch.Tensor | None = None,  # written in place when given
+    order: torch.Tensor | None = None,  # the kernel's launch order; the result does not depend on it
 ) -> torch.Tensor:
     out = _zeroed(q, out)
     for b, ctx in enumerate(context_lens.tolist()):
