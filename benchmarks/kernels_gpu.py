@@ -11,7 +11,7 @@ compute-bound, also by TFLOP/s against ``--peak-tflops``. Run from the repositor
     python benchmarks/kernels_gpu.py --sweep-splits   # also time decode at fixed split counts
     python benchmarks/kernels_gpu.py --sweep-decode   # decode tile / warps / stages, on the engine's cases
     python benchmarks/kernels_gpu.py --sweep-prefill  # prefill tiles / warps / stages, on the engine's cases
-    python benchmarks/kernels_gpu.py --sweep-heads    # decode KV heads a program, tile, launch order at batch 96-256
+    python benchmarks/kernels_gpu.py --sweep-order    # decode launched in batch order vs longest first, batch 32-256
 
 Shapes: H=32, KVH=8, D=128, block size 16, bf16, hidden 4096, intermediate 14336; decode at
 batch 1 / 64 / 256 with contexts of 512, 4096 and mixed 512-4096; prefill of 4 x 512 new tokens,
@@ -178,19 +178,17 @@ def sweep_decode_config(b: Bench) -> None:
                    lambda r: f"{100 * r.bw_frac:.1f}%")
 
 
-def sweep_decode_heads(b: Bench) -> None:
-    """Decode attention at the large batches of (b): KV heads a program (the same bytes from fewer,
-    longer programs), the tile, and launching the sequences longest first, on contexts spread as
-    in the workload's first steps (prompts 100-1024) and later ones, and one uniform context."""
+def sweep_decode_order(b: Bench) -> None:
+    """Decode attention at the large batches of (b), sequences launched in batch order or longest
+    first, with the wide tile and a narrower one, on contexts spread as in the workload's first
+    steps (prompts 100-1024) and later ones, and one uniform context."""
     rng = random.Random(2)
     cases = [("B=256 ctx 100-1024", [rng.randint(100, 1024) for _ in range(256)]),
              ("B=256 ctx 400-1300", [rng.randint(400, 1300) for _ in range(256)]),
              ("B=256 ctx 900", [900] * 256),
              ("B=160 ctx 600-2000", [rng.randint(600, 2000) for _ in range(160)]),
-             ("B=96 ctx 800-2048", [rng.randint(800, 2048) for _ in range(96)])]
-    saved = {n: getattr(paged_attention, n) for n in
-             ("DECODE_BLOCK_N", "DECODE_NUM_WARPS", "DECODE_NUM_STAGES", "DECODE_KV_HEADS", "WIDE_MIN_PROGRAMS_PER_SM")}
-    paged_attention.WIDE_MIN_PROGRAMS_PER_SM = 0
+             ("B=96 ctx 800-2048", [rng.randint(800, 2048) for _ in range(96)]),
+             ("B=32 ctx 900-2048", [rng.randint(900, 2048) for _ in range(32)])]
     for label, lens in cases:
         k_cache, v_cache, tables = _pool(lens, b.device)
         ctx = torch.tensor(lens, dtype=torch.int32, device=b.device)
@@ -198,26 +196,13 @@ def sweep_decode_heads(b: Bench) -> None:
         q = torch.randn(len(lens), H, D, dtype=DTYPE, device=b.device)
         want = K.paged_decode_attention_ref(q, k_cache, v_cache, tables, ctx, SCALE)
         nbytes = sum(lens) * KVH * D * 2 * ELEM + 2 * len(lens) * H * D * ELEM
-        for heads in (1, 2, 4, 8):
-            for block_n, warps, stages in ((128, 4, 3), (64, 4, 3), (64, 4, 4)):
-                for order in (None, longest_first):
-                    paged_attention.DECODE_KV_HEADS = heads
-                    paged_attention.DECODE_BLOCK_N, paged_attention.DECODE_NUM_WARPS = block_n, warps
-                    paged_attention.DECODE_NUM_STAGES = stages
-                    fn = lambda o=order: K.paged_decode_attention(q, k_cache, v_cache, tables, ctx, SCALE, num_splits=1, order=o)  # noqa: E731
-                    note = f"heads={heads} block_n={block_n} warps={warps} stages={stages} order={'longest' if order is not None else 'batch'}"
-                    try:
-                        got = fn()
-                    except Exception as exc:  # out of shared memory: not a config this chip can run
-                        print(f"decode {label} {note}: {type(exc).__name__}")
-                        continue
-                    b.record("decode_heads", label, fn, nbytes, _err(got, want), 2e-2, note=note)
+        for order in (None, longest_first):
+            fn = lambda o=order: K.paged_decode_attention(q, k_cache, v_cache, tables, ctx, SCALE, order=o)  # noqa: E731
+            b.record("decode_order", label, fn, nbytes, _err(fn(), want), 2e-2,
+                     note=f"order={'longest' if order is not None else 'batch'}")
         del k_cache, v_cache, tables, want
         torch.cuda.empty_cache()
-    for name, value in saved.items():
-        setattr(paged_attention, name, value)
-    _sweep_summary(b, "decode_heads", [c[0] for c in cases], "heads=1 block_n=128 warps=4 stages=3 order=batch",
-                   lambda r: f"{100 * r.bw_frac:.1f}%")
+    _sweep_summary(b, "decode_order", [c[0] for c in cases], "order=batch", lambda r: f"{100 * r.bw_frac:.1f}%")
 
 
 def _sweep_summary(b: Bench, kernel: str, labels: list[str], current: str, score: Callable[[Result], str]) -> None:
@@ -421,7 +406,7 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=100)
     parser.add_argument("--sweep-splits", action="store_true", help="also time decode at fixed split counts")
     parser.add_argument("--sweep-decode", action="store_true", help="only sweep decode tile / warps / stages")
-    parser.add_argument("--sweep-heads", action="store_true", help="only sweep decode KV heads a program / tile / launch order")
+    parser.add_argument("--sweep-order", action="store_true", help="only decode attention launched in batch order vs longest first")
     parser.add_argument("--sweep-prefill", action="store_true", help="only sweep prefill tiles / warps / stages")
     parser.add_argument("--only-decode", action="store_true", help="only decode attention (with --sweep-splits: every split count)")
     parser.add_argument("--only-skinny", action="store_true", help="only the skinny matmul against cuBLAS")
@@ -439,8 +424,8 @@ def main() -> None:
              bench_silu_and_mul)
     if args.sweep_decode:
         parts = (sweep_decode_config,)
-    elif args.sweep_heads:
-        parts = (sweep_decode_heads,)
+    elif args.sweep_order:
+        parts = (sweep_decode_order,)
     elif args.sweep_prefill:
         parts = (sweep_prefill_config,)
     elif args.only_skinny:

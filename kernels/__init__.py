@@ -8,6 +8,7 @@ kernels run under the Triton interpreter (``TRITON_INTERPRET=1``, set before imp
 from kernels._triton import HAS_TRITON
 from kernels.activation import silu_and_mul
 from kernels.kv_store import store_kv
+from kernels.matmul import tiled_matmul
 from kernels.paged_attention import default_num_splits, paged_decode_attention, paged_prefill_attention
 from kernels.reference import (
     paged_decode_attention_ref,
@@ -40,4 +41,5 @@ __all__ = [
     "silu_and_mul_ref",
     "store_kv",
     "store_kv_ref",
+    "tiled_matmul",
 ]

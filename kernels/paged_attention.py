@@ -42,10 +42,6 @@ DECODE_BLOCK_N = 128  # context tokens per inner step
 DECODE_NUM_WARPS = 4
 DECODE_NUM_STAGES = 3
 DECODE_NARROW = (64, 4, 2)  # (tokens a step, warps, stages) below WIDE_MIN_PROGRAMS_PER_SM
-# KV heads a program owns in the wide config (a power of two; 1 = one program per KV head). With
-# more, a tile's rows are (token, head) pairs, the same K/V bytes a step from fewer, longer
-# programs: less start-up and tail per byte read, and the query rows fill tl.dot's 16.
-DECODE_KV_HEADS = 1
 WIDE_MIN_PROGRAMS_PER_SM = 8
 # Prefill tiles as swept on an H100 (benchmarks/kernels_gpu.py --sweep-prefill, 54 configs): a Q tile
 # of 64 rows (16 tokens x 4 heads), 64 keys a step, 2 stages took an 8,192-token admission step
@@ -66,35 +62,21 @@ MAX_SPLITS = 64
 def _attend_tile(
     q, m_i, l_i, acc,  # running state of the Q tile: [M, D] input, [M] max (log2 units), [M] sum, [M, D]
     k_ptr, v_ptr, bt_row, kv_head_off,
-    n_start, kv_end,  # this tile covers context positions from n_start, clipped to kv_end
+    n_start, kv_end,  # this tile covers context positions [n_start, n_start + BLOCK_N) clipped to kv_end
     q_pos,  # [M] position of each row's query token
-    row_head,  # [M] which of the tile's HEADS KV heads each row attends to (unused at HEADS=1)
-    qk_scale, stride_kb, stride_kt, stride_kh, offs_d, d_mask,
-    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, HEADS: tl.constexpr, CAUSAL: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    qk_scale, stride_kb, stride_kt, offs_d, d_mask,
+    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
-    """One online-softmax step over BLOCK_N K/V rows gathered through the block table.
-
-    With HEADS > 1 the rows are (token, KV head) pairs, BLOCK_N // HEADS tokens of HEADS adjacent
-    heads (contiguous in the pool), and a score counts only where the row's head matches.
-    """
-    offs_n = tl.arange(0, BLOCK_N)
-    if HEADS == 1:
-        pos = n_start + offs_n
-        head_off = kv_head_off
-    else:
-        pos = n_start + offs_n // HEADS
-        head_off = kv_head_off + (offs_n % HEADS) * stride_kh
+    """One online-softmax step over BLOCK_N context tokens gathered through the block table."""
+    pos = n_start + tl.arange(0, BLOCK_N)
     p_mask = pos < kv_end
     blk = tl.load(bt_row + pos // BLOCK_SIZE, mask=p_mask, other=0).to(tl.int64)
-    tok = blk * stride_kb + (pos % BLOCK_SIZE).to(tl.int64) * stride_kt + head_off
+    tok = blk * stride_kb + (pos % BLOCK_SIZE).to(tl.int64) * stride_kt + kv_head_off
     kv_mask = p_mask[:, None] & d_mask[None, :]
     k = tl.load(k_ptr + tok[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
     s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
     if CAUSAL:
         s = tl.where(p_mask[None, :] & (pos[None, :] <= q_pos[:, None]), s, float("-inf"))
-    if HEADS > 1:
-        s = tl.where(row_head[:, None] == (offs_n % HEADS)[None, :], s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
     p = tl.exp2(s - m_new[:, None])
     alpha = tl.exp2(m_i - m_new)
@@ -108,28 +90,25 @@ def _attend_tile(
 def _decode_kernel(
     q_ptr, k_ptr, v_ptr, bt_ptr, ctx_ptr, order_ptr, out_ptr, part_o_ptr, part_lse_ptr, qk_scale,
     stride_qb, stride_qh, stride_kb, stride_kt, stride_kh, stride_bt, stride_ob, stride_oh,
-    NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, HEADS: tl.constexpr, BLOCK_G: tl.constexpr,
+    NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, BLOCK_G: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
     NUM_SPLITS: tl.constexpr, HAS_ORDER: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     wait_for_producer(USE_PDL)
     b = tl.program_id(0)
-    if HAS_ORDER:  # programs start in the given order of sequences (longest first)
+    if HAS_ORDER:  # programs start in the given order of sequences (the engine's: longest first)
         b = tl.load(order_ptr + b)
-    kvh = tl.program_id(1) * HEADS  # the first of this program's HEADS KV heads
+    kvh = tl.program_id(1)
     split = tl.program_id(2)
     ctx = tl.load(ctx_ptr + b)
     # Splits start on tile boundaries; trailing splits of a short context are empty.
-    TILE_TOKENS: tl.constexpr = BLOCK_N // HEADS
-    per_split = tl.cdiv(tl.cdiv(ctx, NUM_SPLITS), TILE_TOKENS) * TILE_TOKENS
+    per_split = tl.cdiv(tl.cdiv(ctx, NUM_SPLITS), BLOCK_N) * BLOCK_N
     start = split * per_split
     end = tl.minimum(start + per_split, ctx)
 
-    # Rows are the query heads of the program's KV heads: row r is head kvh * GROUP + r.
     offs_g = tl.arange(0, BLOCK_G)
-    g_mask = offs_g < HEADS * GROUP
+    g_mask = offs_g < GROUP
     heads = kvh * GROUP + offs_g
-    row_head = tl.minimum(offs_g // GROUP, HEADS - 1)  # padding rows read head 0's keys with q = 0
     offs_d = tl.arange(0, BLOCK_D)
     d_mask = offs_d < HEAD_DIM
     qo_mask = g_mask[:, None] & d_mask[None, :]
@@ -142,11 +121,11 @@ def _decode_kernel(
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
     q_pos = tl.zeros([BLOCK_G], tl.int32) + (ctx - 1)
     bt_row = bt_ptr + b.to(tl.int64) * stride_bt
-    for n in range(start, end, TILE_TOKENS):
+    for n in range(start, end, BLOCK_N):
         m_i, l_i, acc = _attend_tile(
-            q, m_i, l_i, acc, k_ptr, v_ptr, bt_row, kvh * stride_kh, n, end, q_pos, row_head,
-            qk_scale, stride_kb, stride_kt, stride_kh, offs_d, d_mask,
-            BLOCK_SIZE, BLOCK_N, HEADS, True, DOT_PRECISION,
+            q, m_i, l_i, acc, k_ptr, v_ptr, bt_row, kvh * stride_kh, n, end, q_pos,
+            qk_scale, stride_kb, stride_kt, offs_d, d_mask,
+            BLOCK_SIZE, BLOCK_N, True, DOT_PRECISION,
         )
     # An empty range (context 0, or a split past the end) leaves l = 0: its output is zeros.
     o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
@@ -244,16 +223,16 @@ def _prefill_kernel(
     full_end = (prefix + tok0) // BLOCK_N * BLOCK_N  # keys every row sees: no causal mask
     for n in range(0, full_end, BLOCK_N):
         m_i, l_i, acc = _attend_tile(
-            q, m_i, l_i, acc, k_ptr, v_ptr, bt_row, kv_head_off, n, full_end, q_pos, q_pos,
-            qk_scale, stride_kb, stride_kt, stride_kh, offs_d, d_mask,
-            BLOCK_SIZE, BLOCK_N, 1, False, DOT_PRECISION,
+            q, m_i, l_i, acc, k_ptr, v_ptr, bt_row, kv_head_off, n, full_end, q_pos,
+            qk_scale, stride_kb, stride_kt, offs_d, d_mask,
+            BLOCK_SIZE, BLOCK_N, False, DOT_PRECISION,
         )
     kv_end = tl.minimum(prefix + tok0 + BLOCK_Q, ctx)  # one past the tile's last query position
     for n in range(full_end, kv_end, BLOCK_N):
         m_i, l_i, acc = _attend_tile(
-            q, m_i, l_i, acc, k_ptr, v_ptr, bt_row, kv_head_off, n, kv_end, q_pos, q_pos,
-            qk_scale, stride_kb, stride_kt, stride_kh, offs_d, d_mask,
-            BLOCK_SIZE, BLOCK_N, 1, True, DOT_PRECISION,
+            q, m_i, l_i, acc, k_ptr, v_ptr, bt_row, kv_head_off, n, kv_end, q_pos,
+            qk_scale, stride_kb, stride_kt, offs_d, d_mask,
+            BLOCK_SIZE, BLOCK_N, True, DOT_PRECISION,
         )
     o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     tl.store(
@@ -335,16 +314,13 @@ def paged_decode_attention(
     pdl = pdl_launch(q.device)
     wide = batch * num_kv_heads * num_splits >= WIDE_MIN_PROGRAMS_PER_SM * sm_count(q.device)
     block_n, num_warps, num_stages = (DECODE_BLOCK_N, DECODE_NUM_WARPS, DECODE_NUM_STAGES) if wide else DECODE_NARROW
-    heads = 1
-    while wide and heads * 2 <= min(DECODE_KV_HEADS, block_n) and num_kv_heads % (heads * 2) == 0:
-        heads *= 2
-    _decode_kernel[(batch, num_kv_heads // heads, num_splits)](
+    _decode_kernel[(batch, num_kv_heads, num_splits)](
         q, k_cache, v_cache, block_tables, context_lens, context_lens if order is None else order,
         out, part_o, part_lse, scale * _LOG2E,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_tables.stride(0), out.stride(0), out.stride(1),
-        NUM_HEADS=num_heads, GROUP=group, HEADS=heads,
-        BLOCK_G=max(16, next_power_of_2(heads * group)),  # tl.dot needs at least 16 rows
+        NUM_HEADS=num_heads, GROUP=group,
+        BLOCK_G=max(16, next_power_of_2(group)),  # tl.dot needs at least 16 rows
         HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_SIZE=block_size,
         BLOCK_N=block_n if block_d <= 128 else block_n // 2,  # K/V stages in shared memory
         NUM_SPLITS=num_splits, HAS_ORDER=order is not None, DOT_PRECISION=_dot_precision(q.dtype),

@@ -17,7 +17,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from kernels import activation, kv_store, paged_attention, rmsnorm, rotary, skinny
+from kernels import activation, kv_store, matmul, paged_attention, rmsnorm, rotary, skinny
 
 TARGET = GPUTarget("cuda", 90, 32)
 P = "*bf16"
@@ -50,7 +50,8 @@ def compile_kernel(fn, args: dict, num_warps: int = 4, num_stages: int = 3):
 def _decode_args(splits: int, block_n: int = paged_attention.DECODE_BLOCK_N) -> dict:
     part = "*fp32" if splits > 1 else P
     return dict(
-        q_ptr=P, k_ptr=P, v_ptr=P, bt_ptr="*i32", ctx_ptr="*i32", out_ptr=P, part_o_ptr=part, part_lse_ptr=part,
+        q_ptr=P, k_ptr=P, v_ptr=P, bt_ptr="*i32", ctx_ptr="*i32", order_ptr="*i32", out_ptr=P,
+        part_o_ptr=part, part_lse_ptr=part, HAS_ORDER=C(True),  # as the engine launches it
         qk_scale="fp32", stride_qb="i32", stride_qh="i32", stride_kb="i32", stride_kt="i32", stride_kh="i32",
         stride_bt="i32", stride_ob="i32", stride_oh="i32", NUM_HEADS=C(32), GROUP=C(4), BLOCK_G=C(16),
         HEAD_DIM=C(128), BLOCK_D=C(128), BLOCK_SIZE=C(16), BLOCK_N=C(block_n),
@@ -105,6 +106,14 @@ def main() -> int:
                  stride_om="i32", HAS_BIAS=C(False), BLOCK_M=C(16), BLOCK_N=C(c.kwargs["BLOCK_N"]),
                  BLOCK_K=C(c.kwargs["BLOCK_K"]), DOT_PRECISION=C("tf32")), c.num_warps, c.num_stages, True)
           for c in skinny._configs()),
+        *(("tiled matmul %dx%dx%d split %d" % cfg[:4], matmul._matmul_kernel, dict(
+            x_ptr=P, w_ptr=P, b_ptr=P, out_ptr=P, part_ptr="*fp32", M="i32", N="i32", K="i32", k_per_split="i32",
+            stride_xm="i32", stride_wn="i32", stride_om="i32", HAS_BIAS=C(False), EVEN_K=C(True),
+            SPLIT_K=C(cfg[3]), BLOCK_M=C(cfg[0]), BLOCK_N=C(cfg[1]), BLOCK_K=C(cfg[2]), DOT_PRECISION=C("tf32"),
+            UPCAST=C(False)), cfg[4], cfg[5], True) for cfg in ((128, 128, 64, 1, 8, 4), (64, 128, 128, 2, 4, 3))),
+        ("split-K sum", matmul._split_k_sum_kernel, dict(
+            part_ptr="*fp32", b_ptr=P, out_ptr=P, M="i32", N="i32", stride_om="i32", HAS_BIAS=C(False),
+            SPLIT_K=C(2), BLOCK=C(matmul.REDUCE_BLOCK)), 4, 3, False),
         ("silu_and_mul", activation._silu_and_mul_kernel, dict(
             x_ptr=P, out_ptr=P, stride_x="i32", stride_o="i32", n_inter="i32", BLOCK=C(1024)), 4, 3, False),
     ]

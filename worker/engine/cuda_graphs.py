@@ -9,6 +9,7 @@ count is fixed per size at capture (decided from that width, never from device d
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from worker.models.attention import AttentionMetadata, forward_context
@@ -35,13 +36,15 @@ class DecodeGraphs:
         self.positions = torch.zeros(n, dtype=torch.long, device=device)
         self.slots = torch.full((n,), -1, dtype=torch.long, device=device)
         self.tables = torch.zeros(n, self.width, dtype=torch.int32, device=device)
-        self.ctx = torch.zeros(n, dtype=torch.int32, device=device)
+        # Context lengths, and the order the decode kernel starts the sequences in: longest first,
+        # so the short ones fill the tail of the grid (measured: docs/BENCHMARKS.md).
+        self.ctx_order = torch.zeros(2, n, dtype=torch.int32, device=device)
         # Host staging in pinned memory: one async copy per buffer per step. Two sets, used in
         # turn: with the lookahead the host fills step N+1's while step N's copies may still be
         # queued; step N-1's (the same set) have been read by then, since its tokens were.
         self.staging = [(torch.zeros(n, self.width, dtype=torch.int32).pin_memory(),
                          torch.zeros(3, n, dtype=torch.long).pin_memory(),  # ids, positions, slots
-                         torch.zeros(n, dtype=torch.int32).pin_memory()) for _ in range(2)]
+                         torch.zeros(2, n, dtype=torch.int32).pin_memory()) for _ in range(2)]
         self._turn = 0
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         pool = None
@@ -49,7 +52,8 @@ class DecodeGraphs:
             meta = AttentionMetadata(
                 slot_mapping=self.slots[:size], query_start=list(range(size + 1)), context_lens=[0] * size,
                 block_tables=[], block_size=block_size, num_decodes=size, kv_caches=kv_caches, backend=backend,
-                extra={"decode_block_tables": self.tables[:size], "decode_context_lens": self.ctx[:size],
+                extra={"decode_block_tables": self.tables[:size], "decode_context_lens": self.ctx_order[0, :size],
+                       "decode_order": self.ctx_order[1, :size],
                        "decode_num_splits": default_num_splits(size, num_kv_heads, self.width * block_size, device)},
             )
             with forward_context(meta):
@@ -70,7 +74,7 @@ class DecodeGraphs:
         """Logits [b, vocab] of one decode step of b sequences (``ids_device``: the ids, on the device)."""
         b = len(ids)
         size = next(s for s in self.sizes if s >= b)
-        h_tables, h_vec, h_ctx = self.staging[self._turn]
+        h_tables, h_vec, h_ctx_order = self.staging[self._turn]
         self._turn ^= 1
         vec = h_vec.numpy()
         vec[0, :size] = 0
@@ -81,16 +85,17 @@ class DecodeGraphs:
         t[:size] = 0
         for i, row in enumerate(tables):
             t[i, : len(row)] = row
-        c = h_ctx.numpy()
-        c[:size] = 0
-        c[:b] = context_lens
+        c = h_ctx_order.numpy()
+        c[0, :size] = 0
+        c[0, :b] = context_lens
+        c[1, :size] = np.argsort(-c[0, :size], kind="stable")
         self.ids[:size].copy_(h_vec[0, :size], non_blocking=True)
         if ids_device is not None:
             self.ids[:b].copy_(ids_device)
         self.positions[:size].copy_(h_vec[1, :size], non_blocking=True)
         self.slots[:size].copy_(h_vec[2, :size], non_blocking=True)
         self.tables[:size].copy_(h_tables[:size], non_blocking=True)
-        self.ctx[:size].copy_(h_ctx[:size], non_blocking=True)
+        self.ctx_order[:, :size].copy_(h_ctx_order[:, :size], non_blocking=True)
         graph, logits = self.graphs[size]
         graph.replay()
         return logits[:b]

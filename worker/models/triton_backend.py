@@ -33,6 +33,9 @@ class TritonAttentionBackend(AttentionBackend):
         meta.extra["decode_block_tables"] = tables[:nd]
         meta.extra["decode_context_lens"] = ctx[:nd]
         meta.extra["decode_num_splits"] = None  # let the kernel choose
+        # The decode kernel starts the longest sequences first, so the short ones fill its tail.
+        lens = meta.context_lens[:nd]
+        meta.extra["decode_order"] = to_device(sorted(range(nd), key=lambda i: -lens[i]), device) if nd else None
         if nd < n:
             qs = meta.query_start
             meta.extra["prefill_block_tables"] = tables[nd:]
@@ -51,11 +54,13 @@ class TritonAttentionBackend(AttentionBackend):
         extra = meta.extra
         if "prefill_query_start" not in extra:  # decodes only (the CUDA-graph case)
             return paged_decode_attention(q, k_cache, v_cache, extra["decode_block_tables"],
-                                          extra["decode_context_lens"], scale, extra["decode_num_splits"])
+                                          extra["decode_context_lens"], scale, extra["decode_num_splits"],
+                                          order=extra["decode_order"])
         out = torch.empty_like(q)  # both kernels write their rows of it in place
         if nd:
             paged_decode_attention(q[:nd], k_cache, v_cache, extra["decode_block_tables"],
-                                   extra["decode_context_lens"], scale, extra["decode_num_splits"], out=out[:nd])
+                                   extra["decode_context_lens"], scale, extra["decode_num_splits"], out=out[:nd],
+                                   order=extra["decode_order"])
         paged_prefill_attention(q[nd:], k_cache, v_cache, extra["prefill_block_tables"],
                                 extra["prefill_query_start"], extra["prefill_context_lens"], scale, out=out[nd:])
         return out
