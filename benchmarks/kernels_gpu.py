@@ -350,6 +350,45 @@ def bench_rotary_store_kv(b: Bench) -> None:
                  lambda: K.rotary_store_kv(positions, *views(qkv), cos, sin, k_cache, v_cache, slots), nbytes, err, 2e-2)
 
 
+def bench_decode_rope_store(b: Bench) -> None:
+    """A decode graph's attention per layer: rotary + KV store, then decode attention (two
+    launches), against the decode kernel doing all three (``rope_store=``), on the same inputs."""
+    cos, sin = _rope_tables(b.device)
+    rng = random.Random(3)
+    for label, lens in (("B=1 ctx 600", [600]), ("B=64 ctx 200-2048", [rng.randint(200, 2048) for _ in range(64)]),
+                        ("B=256 ctx 100-1024", [rng.randint(100, 1024) for _ in range(256)])):
+        batch = len(lens)
+        k_cache, v_cache, tables = _pool(lens, b.device)
+        ctx = torch.tensor(lens, dtype=torch.int32, device=b.device)
+        order = torch.argsort(ctx, descending=True).to(torch.int32)
+        positions = (ctx - 1).long()
+        slots = (tables.long().gather(1, (positions // BLOCK_SIZE)[:, None])[:, 0] * BLOCK_SIZE + positions % BLOCK_SIZE)
+        qkv = torch.randn(batch, (H + 2 * KVH) * D, dtype=DTYPE, device=b.device)
+        q, k, v = (qkv[:, : H * D].view(batch, H, D), qkv[:, H * D : (H + KVH) * D].view(batch, KVH, D),
+                   qkv[:, (H + KVH) * D :].view(batch, KVH, D))
+        k_ref, v_ref = k_cache.clone(), v_cache.clone()
+        rope = (positions, k, v, cos, sin, slots)
+        want = K.paged_decode_attention_ref(q, k_ref, v_ref, tables, ctx, SCALE, rope_store=rope)
+        got = K.paged_decode_attention(q, k_cache, v_cache, tables, ctx, SCALE, order=order, rope_store=rope)
+        err = max(_err(got, want), _err(k_cache, k_ref), _err(v_cache, v_ref))
+        nbytes = sum(lens) * KVH * D * 2 * ELEM + 2 * batch * H * D * ELEM
+        b.record("decode+rope+store", label,
+                 lambda: K.paged_decode_attention(q, k_cache, v_cache, tables, ctx, SCALE, order=order, rope_store=rope),
+                 nbytes, err, 2e-2, note="fused: one launch")
+        buf = qkv.clone()  # the two-launch path rotates its q and k in place: the check gets fresh ones
+        q2, k2, v2 = (buf[:, : H * D].view(batch, H, D), buf[:, H * D : (H + KVH) * D].view(batch, KVH, D),
+                      buf[:, (H + KVH) * D :].view(batch, KVH, D))
+
+        def two_launches():  # timed as it comes: rotating again each run moves the same bytes
+            K.rotary_store_kv(positions, q2, k2, v2, cos, sin, k_cache, v_cache, slots)
+            return K.paged_decode_attention(q2, k_cache, v_cache, tables, ctx, SCALE, order=order)
+
+        b.record("decode+rope+store", label, two_launches, nbytes, _err(two_launches(), want), 2e-2,
+                 note="rotary_store_kv + decode: two launches")
+        del k_cache, v_cache, tables, k_ref, v_ref
+        torch.cuda.empty_cache()
+
+
 def bench_rms_norm(b: Bench) -> None:
     for tokens in (1, 256, 4096):
         x = torch.randn(tokens, HIDDEN, dtype=DTYPE, device=b.device)
@@ -420,7 +459,7 @@ def main() -> None:
     b = Bench(args)
     print(f"{torch.cuda.get_device_name()}  torch {torch.__version__}  peak {args.peak_gbps} GB/s, {args.peak_tflops} TFLOP/s")
     print(f"{'kernel':<18} {'case':<38} {'ms':>9} {'GB/s':>8} {'%bw':>6} {'TFLOP/s':>7} {'%mm':>6} {'err':>9} ok")
-    parts = (bench_skinny_matmul, bench_decode, bench_prefill, bench_store_kv, bench_rotary_store_kv, bench_rms_norm, bench_rotary,
+    parts = (bench_skinny_matmul, bench_decode, bench_decode_rope_store, bench_prefill, bench_store_kv, bench_rotary_store_kv, bench_rms_norm, bench_rotary,
              bench_silu_and_mul)
     if args.sweep_decode:
         parts = (sweep_decode_config,)
@@ -431,7 +470,7 @@ def main() -> None:
     elif args.only_skinny:
         parts = (bench_skinny_matmul,)
     elif args.only_decode:
-        parts = (bench_decode,)
+        parts = (bench_decode, bench_decode_rope_store)
     for part in parts:
         part(b)
 

@@ -28,6 +28,7 @@ from __future__ import annotations
 import torch
 
 from kernels._triton import cdiv, check_launchable, jit, next_power_of_2, pdl_launch, sm_count, tl, wait_for_producer
+from kernels.rotary import _rotate
 
 # The kernels use exp2: the softmax scale is multiplied by log2(e) once.
 _LOG2E = 1.4426950408889634
@@ -90,9 +91,13 @@ def _attend_tile(
 def _decode_kernel(
     q_ptr, k_ptr, v_ptr, bt_ptr, ctx_ptr, order_ptr, out_ptr, part_o_ptr, part_lse_ptr, qk_scale,
     stride_qb, stride_qh, stride_kb, stride_kt, stride_kh, stride_bt, stride_ob, stride_oh,
+    # ROPE_STORE: the step's new token (unrotated q, k, and v) is rotated here and its K/V stored
+    pos_ptr, kn_ptr, vn_ptr, cos_ptr, sin_ptr, slot_ptr, stride_knb, stride_knh, stride_vnb, stride_vnh,
+    stride_cos, stride_sin,
     NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, BLOCK_G: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
-    NUM_SPLITS: tl.constexpr, HAS_ORDER: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_PDL: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, HAS_ORDER: tl.constexpr, ROPE_STORE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     wait_for_producer(USE_PDL)
     b = tl.program_id(0)
@@ -112,21 +117,53 @@ def _decode_kernel(
     offs_d = tl.arange(0, BLOCK_D)
     d_mask = offs_d < HEAD_DIM
     qo_mask = g_mask[:, None] & d_mask[None, :]
-    q = tl.load(
-        q_ptr + b.to(tl.int64) * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
-        mask=qo_mask, other=0.0,
-    )
+    q_row = q_ptr + b.to(tl.int64) * stride_qb + heads[:, None] * stride_qh
+    q = tl.load(q_row + offs_d[None, :], mask=qo_mask, other=0.0)
+    if ROPE_STORE:
+        # The new token sits at position ctx - 1; its K/V are not in the pool yet. Every split
+        # rotates q; the split whose range holds ctx - 1 stores the rotated k and v and attends to
+        # them from registers, after its tiles (which stop short of ctx - 1): no read-back.
+        HALF: tl.constexpr = HEAD_DIM // 2
+        first = offs_d < HALF
+        partner = tl.where(first, offs_d + HALF, offs_d - HALF)  # rotate_half's source column
+        sign = tl.where(first, -1.0, 1.0)
+        pos = tl.load(pos_ptr + b).to(tl.int64)
+        c = tl.load(cos_ptr + pos * stride_cos + offs_d, mask=d_mask, other=0.0)
+        s = tl.load(sin_ptr + pos * stride_sin + offs_d, mask=d_mask, other=0.0)
+        q = _rotate(q, tl.load(q_row + partner[None, :], mask=qo_mask, other=0.0), c[None, :], s[None, :], sign[None, :])
+        kn_row = kn_ptr + b.to(tl.int64) * stride_knb + kvh * stride_knh
+        k_new = _rotate(tl.load(kn_row + offs_d, mask=d_mask, other=0.0),
+                        tl.load(kn_row + partner, mask=d_mask, other=0.0), c, s, sign)
+        v_new = tl.load(vn_ptr + b.to(tl.int64) * stride_vnb + kvh * stride_vnh + offs_d, mask=d_mask, other=0.0)
+        owner = (start <= ctx - 1) & (ctx - 1 < end)  # false for an idle row (context 0)
+        slot = tl.load(slot_ptr + b).to(tl.int64)
+        keep = d_mask & owner & (slot >= 0)  # slot -1: a padding row (CUDA graphs)
+        dst = tl.maximum(slot, 0) * stride_kt + kvh * stride_kh + offs_d  # the pool row of slot s: s * stride_kt
+        tl.store(k_ptr + dst, k_new.to(k_ptr.dtype.element_ty), mask=keep)
+        tl.store(v_ptr + dst, v_new.to(v_ptr.dtype.element_ty), mask=keep)
+        tiles_end = tl.minimum(end, ctx - 1)
+    else:
+        tiles_end = end
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
     q_pos = tl.zeros([BLOCK_G], tl.int32) + (ctx - 1)
     bt_row = bt_ptr + b.to(tl.int64) * stride_bt
-    for n in range(start, end, BLOCK_N):
+    for n in range(start, tiles_end, BLOCK_N):
         m_i, l_i, acc = _attend_tile(
-            q, m_i, l_i, acc, k_ptr, v_ptr, bt_row, kvh * stride_kh, n, end, q_pos,
+            q, m_i, l_i, acc, k_ptr, v_ptr, bt_row, kvh * stride_kh, n, tiles_end, q_pos,
             qk_scale, stride_kb, stride_kt, offs_d, d_mask,
             BLOCK_SIZE, BLOCK_N, True, DOT_PRECISION,
         )
+    if ROPE_STORE:  # the new token, one more online-softmax step (as _attend_tile rounds p for PV)
+        s_new = tl.sum(q.to(tl.float32) * k_new.to(tl.float32)[None, :], 1) * qk_scale
+        m_new = tl.maximum(m_i, s_new)
+        p = tl.exp2(s_new - m_new)
+        alpha = tl.exp2(m_i - m_new)
+        pv = p.to(v_new.dtype).to(tl.float32)[:, None] * v_new.to(tl.float32)[None, :]
+        m_i = tl.where(owner, m_new, m_i)
+        l_i = tl.where(owner, l_i * alpha + p, l_i)
+        acc = tl.where(owner, acc * alpha[:, None] + pv, acc)
     # An empty range (context 0, or a split past the end) leaves l = 0: its output is zeros.
     o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     if NUM_SPLITS == 1:
@@ -293,8 +330,17 @@ def paged_decode_attention(
     num_splits: int | None = None,
     out: torch.Tensor | None = None,  # written in place when given (rows of a larger batch's output)
     order: torch.Tensor | None = None,  # [B] int32, a permutation of the rows: programs start in it
+    rope_store: tuple | None = None,  # (positions, k, v, cos, sin, slot_mapping): see below
 ) -> torch.Tensor:
-    check_launchable(q, k_cache, v_cache, block_tables, context_lens, *(() if order is None else (order,)))
+    """Attention of each row's query over its context. With ``rope_store``, ``q`` is not rotated
+    yet and the step's new token is not in the pool: the kernel rotates q and k (as
+    ``rotary_store_kv``: positions [B] int, k and v [B, KVH, D], the fp32 cos/sin tables), stores
+    k and v at ``slot_mapping`` [B] int64 (-1: skip) and attends to them, in one launch. q and k
+    are left as they were."""
+    extra = () if order is None else (order,)
+    if rope_store is not None:
+        extra += tuple(rope_store)
+    check_launchable(q, k_cache, v_cache, block_tables, context_lens, *extra)
     assert order is None or (order.dtype == torch.int32 and order.shape == context_lens.shape)
     group = _check_inputs(q, k_cache, v_cache, block_tables, context_lens)
     batch, num_heads, head_dim = q.shape
@@ -314,16 +360,27 @@ def paged_decode_attention(
     pdl = pdl_launch(q.device)
     wide = batch * num_kv_heads * num_splits >= WIDE_MIN_PROGRAMS_PER_SM * sm_count(q.device)
     block_n, num_warps, num_stages = (DECODE_BLOCK_N, DECODE_NUM_WARPS, DECODE_NUM_STAGES) if wide else DECODE_NARROW
+    if rope_store is not None:
+        positions, k_new, v_new, cos, sin, slots = rope_store
+        assert k_new.shape == v_new.shape == (batch, num_kv_heads, head_dim) and head_dim % 2 == 0
+        assert k_new.stride(2) == v_new.stride(2) == 1 and cos.stride(1) == sin.stride(1) == 1
+        assert cos.shape[1] == head_dim and sin.shape == cos.shape and positions.shape == slots.shape == (batch,)
+        assert slots.dtype == torch.int64 and k_cache.is_contiguous()
+        rope_args = (positions, k_new, v_new, cos, sin, slots, k_new.stride(0), k_new.stride(1),
+                     v_new.stride(0), v_new.stride(1), cos.stride(0), sin.stride(0))
+    else:
+        rope_args = (context_lens,) * 6 + (0,) * 6  # unused
     _decode_kernel[(batch, num_kv_heads, num_splits)](
         q, k_cache, v_cache, block_tables, context_lens, context_lens if order is None else order,
         out, part_o, part_lse, scale * _LOG2E,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        block_tables.stride(0), out.stride(0), out.stride(1),
+        block_tables.stride(0), out.stride(0), out.stride(1), *rope_args,
         NUM_HEADS=num_heads, GROUP=group,
         BLOCK_G=max(16, next_power_of_2(group)),  # tl.dot needs at least 16 rows
         HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_SIZE=block_size,
         BLOCK_N=block_n if block_d <= 128 else block_n // 2,  # K/V stages in shared memory
-        NUM_SPLITS=num_splits, HAS_ORDER=order is not None, DOT_PRECISION=_dot_precision(q.dtype),
+        NUM_SPLITS=num_splits, HAS_ORDER=order is not None, ROPE_STORE=rope_store is not None,
+        DOT_PRECISION=_dot_precision(q.dtype),
         num_warps=num_warps, num_stages=num_stages, **pdl,
     )
     if num_splits > 1:

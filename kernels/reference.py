@@ -66,7 +66,12 @@ def paged_decode_attention_ref(
     num_splits: int | None = None,  # a kernel tuning knob; the result does not depend on it
     out: torch.Tensor | None = None,  # written in place when given
     order: torch.Tensor | None = None,  # the kernel's launch order; the result does not depend on it
+    rope_store: tuple | None = None,  # (positions, k, v, cos, sin, slot_mapping): rotate q and k, store k and v first
 ) -> torch.Tensor:
+    if rope_store is not None:
+        positions, k_new, v_new, cos, sin, slots = rope_store
+        q, k_rot = rotary_embedding_ref(positions, q, k_new, cos, sin)
+        store_kv_ref(k_rot, v_new, k_cache, v_cache, slots)
     out = _zeroed(q, out)
     for b, ctx in enumerate(context_lens.tolist()):
         if ctx == 0:  # an idle (padding) row: zeros

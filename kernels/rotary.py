@@ -12,8 +12,21 @@ from kernels._triton import check_launchable, jit, next_power_of_2, pdl_launch, 
 
 
 @jit
+def _rotate(x, partner, c, s, sign):
+    """x * cos + rotate_half(x) * sin for the columns of x, where rotate_half's column is
+    ``sign * partner`` (-x2 on the first half, x1 on the second). c, s: the table's fp32 values.
+
+    Each product and the sum are rounded to x's dtype, as the torch math (and so the model) does."""
+    dt = x.dtype
+    c = c.to(dt).to(tl.float32)
+    s = s.to(dt).to(tl.float32)
+    rot = (sign * partner.to(tl.float32)) * s
+    return ((x.to(tl.float32) * c).to(dt).to(tl.float32) + rot.to(dt).to(tl.float32)).to(dt)
+
+
+@jit
 def _rotate_heads(base, stride_h, num_heads, c1, c2, s1, s2, offs, d_mask, HALF: tl.constexpr, BLOCK_H: tl.constexpr):
-    """Rotates one token's heads in place: x * cos + rotate_half(x) * sin, rotate_half(x) = (-x2, x1).
+    """Rotates one token's heads in place, a half of each head at a time.
 
     Returns (mask, rotated first halves, rotated second halves) for a caller that stores them again."""
     heads = tl.arange(0, BLOCK_H)
@@ -21,16 +34,8 @@ def _rotate_heads(base, stride_h, num_heads, c1, c2, s1, s2, offs, d_mask, HALF:
     p1 = base + heads[:, None] * stride_h + offs[None, :]
     x1 = tl.load(p1, mask=mask, other=0.0)
     x2 = tl.load(p1 + HALF, mask=mask, other=0.0)
-    dt = x1.dtype
-    # Each product and the sum are rounded to x's dtype, as the torch math (and so the model) does.
-    c1 = c1.to(dt).to(tl.float32)
-    c2 = c2.to(dt).to(tl.float32)
-    s1 = s1.to(dt).to(tl.float32)
-    s2 = s2.to(dt).to(tl.float32)
-    x1 = x1.to(tl.float32)
-    x2 = x2.to(tl.float32)
-    o1 = ((x1 * c1[None, :]).to(dt).to(tl.float32) + (-x2 * s1[None, :]).to(dt).to(tl.float32)).to(dt)
-    o2 = ((x2 * c2[None, :]).to(dt).to(tl.float32) + (x1 * s2[None, :]).to(dt).to(tl.float32)).to(dt)
+    o1 = _rotate(x1, x2, c1[None, :], s1[None, :], -1.0)
+    o2 = _rotate(x2, x1, c2[None, :], s2[None, :], 1.0)
     tl.store(p1, o1, mask=mask)
     tl.store(p1 + HALF, o2, mask=mask)
     return mask, o1, o2

@@ -51,7 +51,9 @@ def _decode_args(splits: int, block_n: int = paged_attention.DECODE_BLOCK_N) -> 
     part = "*fp32" if splits > 1 else P
     return dict(
         q_ptr=P, k_ptr=P, v_ptr=P, bt_ptr="*i32", ctx_ptr="*i32", order_ptr="*i32", out_ptr=P,
-        part_o_ptr=part, part_lse_ptr=part, HAS_ORDER=C(True),  # as the engine launches it
+        part_o_ptr=part, part_lse_ptr=part, HAS_ORDER=C(True), ROPE_STORE=C(True),  # as a decode graph launches it
+        pos_ptr="*i64", kn_ptr=P, vn_ptr=P, cos_ptr="*fp32", sin_ptr="*fp32", slot_ptr="*i64", stride_knb="i32",
+        stride_knh="i32", stride_vnb="i32", stride_vnh="i32", stride_cos="i32", stride_sin="i32",
         qk_scale="fp32", stride_qb="i32", stride_qh="i32", stride_kb="i32", stride_kt="i32", stride_kh="i32",
         stride_bt="i32", stride_ob="i32", stride_oh="i32", NUM_HEADS=C(32), GROUP=C(4), BLOCK_G=C(16),
         HEAD_DIM=C(128), BLOCK_D=C(128), BLOCK_SIZE=C(16), BLOCK_N=C(block_n),

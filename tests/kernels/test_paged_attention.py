@@ -87,6 +87,49 @@ def test_decode_in_a_given_order_of_sequences(num_splits):
         paged_decode_attention(q, k_cache, v_cache, tables, ctx, 0.25, order=order.long())
 
 
+@pytest.mark.parametrize("num_splits", [1, 3, None])
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 2), (6, 2)])
+def test_decode_with_rotary_and_kv_store_fused(tiles, num_heads, num_kv_heads, num_splits):
+    # The step's new token arrives unrotated and not yet in the pool: rows of context 1 (only the
+    # new token), 0 (an idle graph row, slot -1) and lengths across tiles and splits.
+    from kernels import rotary_embedding_ref
+
+    torch.manual_seed(0)
+    block_size, head_dim = 4, 16
+    context_lens = [37, 0, 1, 70, 5]
+    k_cache, v_cache = _pool(40, block_size, num_kv_heads, head_dim, torch.float32)
+    tables = _block_tables(context_lens, block_size, 40)
+    ctx = torch.tensor(context_lens, dtype=torch.int32)
+    positions = (ctx - 1).clamp(min=0).long()
+    slots = torch.tensor([-1 if c == 0 else int(tables[i, (c - 1) // block_size]) * block_size + (c - 1) % block_size
+                          for i, c in enumerate(context_lens)])
+    q = torch.randn(len(context_lens), num_heads, head_dim)
+    k = torch.randn(len(context_lens), num_kv_heads, head_dim)
+    v = torch.randn_like(k)
+    angles = torch.rand(128, head_dim // 2) * 6.0
+    cos, sin = torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1)
+    q0, k0 = q.clone(), k.clone()
+    want_k, want_v = k_cache.clone(), v_cache.clone()
+
+    got = paged_decode_attention(q, k_cache, v_cache, tables, ctx, 0.3, num_splits=num_splits,
+                                 rope_store=(positions, k, v, cos, sin, slots))
+    want = paged_decode_attention_ref(q, want_k, want_v, tables, ctx, 0.3,
+                                      rope_store=(positions, k, v, cos, sin, slots))
+
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(k_cache, want_k, atol=1e-6, rtol=1e-6)  # the new K/V stored, once
+    torch.testing.assert_close(v_cache, want_v, atol=0, rtol=0)
+    assert torch.equal(q, q0) and torch.equal(k, k0)  # the inputs are left as they were
+    # and it equals the unfused path: rotate, store, then attend
+    q_rot, k_rot = rotary_embedding_ref(positions, q, k, cos, sin)
+    assert not torch.allclose(q_rot, q)
+    k2, v2 = _pool(40, block_size, num_kv_heads, head_dim, torch.float32)
+    k2.copy_(want_k)
+    v2.copy_(want_v)
+    torch.testing.assert_close(got, paged_decode_attention(q_rot, k2, v2, tables, ctx, 0.3, num_splits=num_splits),
+                               atol=1e-5, rtol=1e-4)
+
+
 @pytest.mark.parametrize("num_splits", [1, 4])
 def test_decode_fp16(num_splits):
     # bf16 attention is checked on the GPU only: the interpreter's tl.dot multiplies bf16's raw bits.

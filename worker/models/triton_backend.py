@@ -1,9 +1,10 @@
 """Paged attention through the Triton kernels (kernels/): the GPU path behind the same interface.
 
 Per step, ``prepare`` builds the device tensors once (block tables, context lengths, query
-offsets) from pinned host memory with asynchronous copies; each layer then rotates q/k and stores
-its new K/V (one fused kernel) and runs the split-K decode kernel over the decode rows and the varlen prefill kernel over the
-rest. For CUDA graphs the model runner fills ``meta.extra`` from static buffers itself and sets
+offsets) from pinned host memory with asynchronous copies. In a step of decodes only, each layer
+is one launch: the decode kernel rotates q and k, stores the new K/V and attends. Otherwise a
+layer rotates q/k and stores its new K/V (one fused kernel), then runs the decode kernel over
+the decode rows and the varlen prefill kernel over the rest. For CUDA graphs the model runner fills ``meta.extra`` from static buffers itself and sets
 ``decode_num_splits`` per captured batch size, so nothing here reads the device or allocates
 data-dependent shapes.
 """
@@ -45,14 +46,21 @@ class TritonAttentionBackend(AttentionBackend):
     def forward(self, q, k, v, k_cache, v_cache, meta, scale, rope=None):
         from kernels import paged_decode_attention, paged_prefill_attention, rotary_store_kv, store_kv
 
+        nd = meta.num_decodes
+        extra = meta.extra
+        decodes_only = "prefill_query_start" not in extra  # (the CUDA-graph case)
+        if decodes_only and rope is not None:  # rotary, KV store and attention: one launch
+            positions, rotary = rope
+            return paged_decode_attention(q, k_cache, v_cache, extra["decode_block_tables"],
+                                          extra["decode_context_lens"], scale, extra["decode_num_splits"],
+                                          order=extra["decode_order"],
+                                          rope_store=(positions, k, v, rotary.cos, rotary.sin, meta.slot_mapping))
         if rope is None:
             store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         else:  # rotate q and k and store k and v: one launch
             positions, rotary = rope
             rotary_store_kv(positions, q, k, v, rotary.cos, rotary.sin, k_cache, v_cache, meta.slot_mapping)
-        nd = meta.num_decodes
-        extra = meta.extra
-        if "prefill_query_start" not in extra:  # decodes only (the CUDA-graph case)
+        if decodes_only:
             return paged_decode_attention(q, k_cache, v_cache, extra["decode_block_tables"],
                                           extra["decode_context_lens"], scale, extra["decode_num_splits"],
                                           order=extra["decode_order"])
