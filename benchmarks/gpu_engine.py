@@ -117,7 +117,7 @@ def run_ours(args) -> dict:
     res = {"ceilings": ceilings, "params": params}
     common = dict(model=f"dummy:{PRESET}", device="cuda", dtype="bfloat16", max_model_len=args.max_model_len,
                   max_num_batched_tokens=args.budget, max_num_seqs=256, gpu_memory_utilization=0.9,
-                  cuda_graph_step=args.graph_step, freeze_gc=not args.no_gc_freeze)
+                  freeze_gc=not args.no_gc_freeze, **({} if args.graph_step is None else {"cuda_graph_step": args.graph_step}))
     t0 = time.perf_counter()
     engine = LLMEngine(EngineConfig(**common))
     res["startup_s"] = time.perf_counter() - t0
@@ -394,7 +394,7 @@ def main() -> None:
     ap.add_argument("--out", default=None)
     ap.add_argument("--max-model-len", type=int, default=4096)
     ap.add_argument("--budget", type=int, default=8192, help="max_num_batched_tokens")
-    ap.add_argument("--graph-step", type=int, default=32, help="cuda_graph_step: graph sizes above 64")
+    ap.add_argument("--graph-step", type=int, default=None, help="cuda_graph_step: graph sizes above 64 (default: the engine's)")
     ap.add_argument("--only-a", action="store_true", help="kvcascade: only (a)")
     ap.add_argument("--only-b", action="store_true", help="kvcascade: only (b), with the lookahead (no baseline run)")
     ap.add_argument("--no-gc-freeze", action="store_true", help="kvcascade: EngineConfig.freeze_gc=False (the baseline)")

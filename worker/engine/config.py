@@ -15,7 +15,8 @@ class EngineConfig:
     attention_backend: str = "auto"  # auto: triton on CUDA, torch elsewhere
     cuda_graphs: bool = True  # decode steps replay captured graphs (CUDA only)
     # Graphs for batches 1, 2, 4, every 8 to 64, then every cuda_graph_step up to max_num_seqs.
-    cuda_graph_step: int = 32
+    # 8 (as vLLM): above ~128 rows the GEMMs pay for padded rows (docs/BENCHMARKS.md).
+    cuda_graph_step: int = 8
     # Launch decode step N+1 before reading step N's tokens, so the host's scheduling and
     # bookkeeping overlap the device (llm_engine.py: "the lookahead"). None: on for CUDA.
     async_scheduling: bool | None = None

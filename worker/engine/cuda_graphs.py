@@ -15,7 +15,7 @@ import torch
 from worker.models.attention import AttentionMetadata, forward_context
 
 
-def graph_sizes(max_batch: int, step: int = 32) -> list[int]:
+def graph_sizes(max_batch: int, step: int = 8) -> list[int]:
     """1, 2, 4, 8, then every 8 up to 64, then every ``step``: padding waste stays small where a
     step is cheap, and the number of captures (each a compile and a warm-up) stays low."""
     sizes = [1, 2, 4] + list(range(8, 65, 8)) + list(range(64 + step, max_batch + 1, step))
@@ -24,7 +24,7 @@ def graph_sizes(max_batch: int, step: int = 32) -> list[int]:
 
 class DecodeGraphs:
     def __init__(self, model, kv_caches, backend, *, block_size: int, max_model_len: int, max_batch: int,
-                 num_kv_heads: int, device: torch.device, size_step: int = 32):
+                 num_kv_heads: int, device: torch.device, size_step: int = 8):
         from kernels import default_num_splits
 
         self.model = model
