@@ -9,7 +9,10 @@ writes a partial (output normalised by its own sum, and log-sum-exp); a second s
 merges the splits, launched with PDL so its launch overlaps the first. With one split the first
 kernel writes the output directly. (Merging in the last split to finish, found by a ticket
 counter, saved that launch but measured slower at batch 1: the merging program walks its group's
-heads one after another, where the merge kernel takes them all at once.)
+heads one after another, where the merge kernel takes them all at once.) Two options, both from
+H100 measurements (docs/BENCHMARKS.md): ``order`` starts the sequences in a given order (the
+engine's: longest first, so short ones fill the tail of the grid), and ``rope_store`` takes the
+step's unrotated q, k and v and does the rotary embedding and the KV store in the same launch.
 
 Prefill: the new tokens of all sequences are flattened into one batch. A program takes a tile of
 BLOCK_Q consecutive query tokens of one sequence; the rows of its Q tile are (token, head) pairs
