@@ -5,6 +5,7 @@
     python benchmarks/tp_gpu.py --compare g1.json g2.json            # equal token for token?
     python benchmarks/tp_gpu.py --part speed --tp 1 --out s1.json    # bf16, CUDA graphs: ms per
     python benchmarks/tp_gpu.py --part speed --tp 2 --out s2.json    #   output token at batch 1, 64
+    python benchmarks/tp_gpu.py --part greedy --tp 2 --dump-after 120  # a run that hangs: stacks every 120 s
 
 Ranks start as `kvcascade worker --tp N` starts them (worker/distributed/ranks.LocalRanks: this
 process is rank 0, the others its children; the Ray actors run the same run_rank), so the GPU
@@ -17,8 +18,12 @@ rank reads its share of the weights (plus the live KV, small here) at the measur
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import json
+import logging
 import os
+import signal
+import threading
 import random
 import sys
 import time
@@ -39,6 +44,7 @@ def start_engine(tp: int, dtype: str, max_num_seqs: int):
     ranks = None
     if tp > 1:
         ranks = LocalRanks(config)
+        _rank_groups.append(ranks)
         config = ranks.start()
     return LLMEngine(config), ranks
 
@@ -107,13 +113,37 @@ def speed(tp: int) -> dict:
     return result
 
 
+_rank_groups: list = []  # the LocalRanks started, for dump_stacks_every
+
+
+def dump_stacks_every(seconds: float) -> None:
+    """Rank 0's stacks (faulthandler) and, by SIGUSR1, its child ranks' (worker/distributed/ranks.py)."""
+    faulthandler.dump_traceback_later(seconds, repeat=True)
+
+    def children() -> None:
+        while True:
+            time.sleep(seconds)
+            for ranks in _rank_groups:
+                for proc in ranks.procs:
+                    if proc.poll() is None:
+                        proc.send_signal(signal.SIGUSR1)
+
+    threading.Thread(target=children, daemon=True).start()
+
+
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--part", choices=["greedy", "speed"])
     parser.add_argument("--tp", type=int, default=1)
     parser.add_argument("--out")
     parser.add_argument("--compare", nargs=2, metavar="JSON")
+    parser.add_argument("--dump-after", type=float, default=0, metavar="S",
+                        help="after S seconds (and every S after), print every rank's Python stacks: for a run that hangs")
     args = parser.parse_args()
+    # Rank 0's progress (shard loaded, engine ready) beside the other ranks' lines.
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s rank0 %(name)s: %(message)s")
+    if args.dump_after:
+        dump_stacks_every(args.dump_after)
     if args.compare:
         a, b = (json.loads(Path(p).read_text()) for p in args.compare)
         same = [x == y for x, y in zip(a["tokens"] + a["again"], b["tokens"] + b["again"])]

@@ -7,6 +7,7 @@ import os
 import signal
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import grpc
 import pytest
@@ -135,6 +136,13 @@ def test_a_dead_rank_ends_requests_and_the_worker(tp_worker):
     worker = tp_worker("--model", "dummy:tiny", "--tp", "2")
     rank1 = _children(worker.proc.pid)
     assert len(rank1) == 1
+    # First, a hung rank could say where it is: SIGUSR1 prints its stacks and it runs on.
+    os.kill(rank1[0], signal.SIGUSR1)
+    deadline = time.monotonic() + 10
+    while "in follow" not in Path(worker.log.name).read_text() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert "in follow" in Path(worker.log.name).read_text()  # its main thread, waiting for a step
+    assert _greedy(worker.address, [[1, 2, 3]], max_tokens=4)[0] and worker.proc.poll() is None
 
     def long(i):
         req = pb.GenerateRequest(sampling=pb.SamplingParams(max_tokens=900, temperature=0, ignore_eos=True))

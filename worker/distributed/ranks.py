@@ -10,12 +10,15 @@ worker share one node and meet on loopback.
 
 A worker whose rank dies cannot step: rank 0 watches its ranks and the ranks watch rank 0, and
 either side exits at once, so whoever supervises the worker (Kubernetes, Ray) restarts all of it.
+A rank that hangs instead (a collective one side never joins) can be asked where it is:
+``kill -USR1 PID`` prints every thread's Python stack to its stderr and lets it run on.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import faulthandler
 import json
 import logging
 import os
@@ -104,6 +107,7 @@ class LocalRanks:
     def start(self) -> EngineConfig:
         """Spawn the ranks and join the group as rank 0 (returns once every rank has joined); the
         configuration rank 0's engine runs with."""
+        dump_stacks_on_sigusr1()
         for rank in range(1, self.config.tensor_parallel_size):
             payload = json.dumps(dataclasses.asdict(local_rank_config(self.config, rank)))
             self.procs.append(subprocess.Popen(
@@ -139,6 +143,11 @@ class LocalRanks:
         destroy_tp()
 
 
+def dump_stacks_on_sigusr1() -> None:
+    """SIGUSR1 prints every thread's stack to stderr and the process goes on (see the module doc)."""
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="one tensor-parallel rank > 0 of a kvcascade worker (internal)")
     parser.add_argument("--rank", type=int, required=True)
@@ -152,6 +161,7 @@ def main(argv: list[str] | None = None) -> int:
     # when rank 0 releases it after draining, or dies.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    dump_stacks_on_sigusr1()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     try:
         run_rank(EngineConfig(**json.loads(args.config)), args.rank, args.init_method)
