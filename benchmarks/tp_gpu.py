@@ -22,10 +22,10 @@ import faulthandler
 import json
 import logging
 import os
-import signal
-import threading
 import random
+import signal
 import sys
+import threading
 import time
 from pathlib import Path
 

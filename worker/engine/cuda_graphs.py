@@ -16,8 +16,8 @@ from worker.models.attention import AttentionMetadata, forward_context
 
 
 def graph_sizes(max_batch: int, step: int = 8) -> list[int]:
-    """1, 2, 4, 8, then every 8 up to 64, then every ``step``: padding waste stays small where a
-    step is cheap, and the number of captures (each a compile and a warm-up) stays low."""
+    """1, 2, 4, 8, then every 8 up to 64, then every ``step`` (8 by default: above ~128 rows the
+    GEMMs pay for padded rows; a larger step captures fewer graphs, each a compile and a warm-up)."""
     sizes = [1, 2, 4] + list(range(8, 65, 8)) + list(range(64 + step, max_batch + 1, step))
     return sorted({s for s in sizes if s < max_batch} | {max_batch})
 

@@ -4,9 +4,9 @@ Per step, ``prepare`` builds the device tensors once (block tables, context leng
 offsets) from pinned host memory with asynchronous copies. In a step of decodes only, each layer
 is one launch: the decode kernel rotates q and k, stores the new K/V and attends. Otherwise a
 layer rotates q/k and stores its new K/V (one fused kernel), then runs the decode kernel over
-the decode rows and the varlen prefill kernel over the rest. For CUDA graphs the model runner fills ``meta.extra`` from static buffers itself and sets
-``decode_num_splits`` per captured batch size, so nothing here reads the device or allocates
-data-dependent shapes.
+the decode rows and the varlen prefill kernel over the rest. For CUDA graphs the model runner
+fills ``meta.extra`` from static buffers itself and sets ``decode_num_splits`` per captured
+batch size, so nothing here reads the device or allocates data-dependent shapes.
 """
 
 from __future__ import annotations
@@ -48,27 +48,26 @@ class TritonAttentionBackend(AttentionBackend):
 
         nd = meta.num_decodes
         extra = meta.extra
+
+        def decode(rows: torch.Tensor, **kw) -> torch.Tensor:
+            return paged_decode_attention(rows, k_cache, v_cache, extra["decode_block_tables"],
+                                          extra["decode_context_lens"], scale, extra["decode_num_splits"],
+                                          order=extra["decode_order"], **kw)
+
         decodes_only = "prefill_query_start" not in extra  # (the CUDA-graph case)
         if decodes_only and rope is not None:  # rotary, KV store and attention: one launch
             positions, rotary = rope
-            return paged_decode_attention(q, k_cache, v_cache, extra["decode_block_tables"],
-                                          extra["decode_context_lens"], scale, extra["decode_num_splits"],
-                                          order=extra["decode_order"],
-                                          rope_store=(positions, k, v, rotary.cos, rotary.sin, meta.slot_mapping))
+            return decode(q, rope_store=(positions, k, v, rotary.cos, rotary.sin, meta.slot_mapping))
         if rope is None:
             store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         else:  # rotate q and k and store k and v: one launch
             positions, rotary = rope
             rotary_store_kv(positions, q, k, v, rotary.cos, rotary.sin, k_cache, v_cache, meta.slot_mapping)
         if decodes_only:
-            return paged_decode_attention(q, k_cache, v_cache, extra["decode_block_tables"],
-                                          extra["decode_context_lens"], scale, extra["decode_num_splits"],
-                                          order=extra["decode_order"])
+            return decode(q)
         out = torch.empty_like(q)  # both kernels write their rows of it in place
         if nd:
-            paged_decode_attention(q[:nd], k_cache, v_cache, extra["decode_block_tables"],
-                                   extra["decode_context_lens"], scale, extra["decode_num_splits"], out=out[:nd],
-                                   order=extra["decode_order"])
+            decode(q[:nd], out=out[:nd])
         paged_prefill_attention(q[nd:], k_cache, v_cache, extra["prefill_block_tables"],
                                 extra["prefill_query_start"], extra["prefill_context_lens"], scale, out=out[nd:])
         return out
