@@ -18,6 +18,7 @@ model holds no engine state and one loaded model can serve several engines.
 from __future__ import annotations
 
 from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Iterator
 
@@ -44,22 +45,25 @@ class AttentionMetadata:
     extra: dict[str, object] = field(default_factory=dict)
 
 
-_context: AttentionMetadata | None = None
+# The step's metadata, per thread (a ContextVar): engines stepping in threads of one process, such
+# as the two tiers of a cascade, each see their own step. A module global here once let one
+# model's step write into the other's KV cache.
+_context: ContextVar[AttentionMetadata | None] = ContextVar("kvcascade_forward_context", default=None)
 
 
 @contextmanager
 def forward_context(meta: AttentionMetadata) -> Iterator[None]:
-    global _context
-    prev, _context = _context, meta
+    token = _context.set(meta)
     try:
         yield
     finally:
-        _context = prev
+        _context.reset(token)
 
 
 def get_forward_context() -> AttentionMetadata:
-    assert _context is not None, "attention called outside a forward_context"
-    return _context
+    meta = _context.get()
+    assert meta is not None, "attention called outside a forward_context"
+    return meta
 
 
 class AttentionBackend:
