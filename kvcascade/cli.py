@@ -208,7 +208,7 @@ async def _run(args: argparse.Namespace) -> None:
             await start_worker(engine_config(args), WorkerOptions(
                 host=args.host, port=args.port, redis_url=args.redis_url, worker_id=args.worker_id,
                 advertise_address=args.advertise_address, heartbeat_ttl_s=args.heartbeat_ttl,
-                key_prefix=args.key_prefix, grace_s=args.grace_period), running)
+                key_prefix=args.key_prefix, grace_s=args.grace_period, exit_on_failure=True), running)
         else:
             ropts = RouterOptions(host=args.host, port=args.port, http_port=args.http_port,
                                   redis_url=args.redis_url, policy=args.policy,
@@ -234,7 +234,8 @@ async def _run(args: argparse.Namespace) -> None:
                 running.on_stop(registry.aclose)
                 # The embedded workers listen on free loopback ports; clients use the router's.
                 for config in _serve_engine_configs(args):
-                    await start_worker(config, WorkerOptions(host="127.0.0.1", port=0, grace_s=args.grace_period),
+                    await start_worker(config, WorkerOptions(host="127.0.0.1", port=0, grace_s=args.grace_period,
+                                                                     exit_on_failure=True),
                                        running, registry=registry, index=index)
                 await start_router(ropts, running, registry=registry, index=index, grace_s=args.grace_period)
             else:

@@ -38,7 +38,7 @@ class WorkerOptions:
     key_prefix: str = "kvc:"
     # Exit the process when the engine loop or a tensor-parallel rank dies, so its supervisor
     # (Kubernetes, Ray) restarts it whole; always on with tensor parallelism.
-    exit_on_failure: bool = False
+    exit_on_failure: bool = False  # the CLI's worker and serve set it: a worker with no engine must go
     advertise_host: str | None = None  # routers dial advertise_host:<the port bound> (port 0 included)
     grace_s: float = 5.0  # seconds requests under way get to finish when the worker stops
 
@@ -78,21 +78,34 @@ async def start_worker(config: EngineConfig, opts: WorkerOptions, running: Runni
                        index=None, engine=None, ranks=None):
     """Start one worker: engine, gRPC server and, with shared state, its publisher. Returns the server.
 
-    With ``config.tensor_parallel_size`` > 1 this process is rank 0 and ``ranks`` starts the others
-    (worker/distributed/ranks.LocalRanks, child processes, by default; the Ray worker passes its own)."""
+    The engine runs in an engine core process of its own (worker/engine/core.py), so its step loop
+    never shares an interpreter with the servers; an ``engine`` passed in (tests, library use) is
+    driven in this process instead. With ``config.tensor_parallel_size`` > 1 the core is rank 0 and
+    ``ranks`` starts the others (worker/distributed/ranks.LocalRanks, child processes, by default;
+    the Ray worker passes its own)."""
     from worker.engine.async_engine import AsyncEngine
-    from worker.engine.llm_engine import LLMEngine
+    from worker.engine.core_client import EngineCoreClient
     from worker.server import WorkerServer
 
-    if engine is None and config.tensor_parallel_size > 1:
-        if ranks is None:
-            from worker.distributed.ranks import LocalRanks
+    if engine is not None:
+        async_engine = AsyncEngine(engine)
+        async_engine.start()
+    else:
+        init_method = None
+        if config.tensor_parallel_size > 1:
+            if ranks is None:
+                from worker.distributed.ranks import LocalRanks
 
-            ranks = LocalRanks(config)
-        config = await asyncio.to_thread(ranks.start)
-        running.on_stop(ranks.stop)  # last: after the engine has released them
-    async_engine = AsyncEngine(engine or await asyncio.to_thread(LLMEngine, config))
-    async_engine.start()
+                ranks = LocalRanks(config)
+            config = await asyncio.to_thread(ranks.spawn)
+            init_method = ranks.init_method
+            running.on_stop(ranks.stop)  # last: after the core has released them
+        async_engine = EngineCoreClient(config, init_method=init_method)
+        watch = ranks.dead_rank if ranks is not None else (lambda: None)
+        try:
+            await asyncio.to_thread(async_engine.start, None, watch)
+        except RuntimeError as err:
+            raise StartupError(str(err)) from err
     running.on_stop(async_engine.shutdown)
     if opts.exit_on_failure or ranks is not None:
         watchdog = Watchdog(async_engine, ranks)

@@ -51,7 +51,7 @@ class RankActor:
 
 
 class RayRanks:
-    """Ranks 1..T-1 as actors in bundles 1..T-1 (the interface of ranks.LocalRanks: start, dead_rank,
+    """Ranks 1..T-1 as actors in bundles 1..T-1 (the interface of ranks.LocalRanks: spawn, dead_rank,
     stop; launch.Watchdog polls dead_rank)."""
 
     def __init__(self, config: EngineConfig, pg):
@@ -63,15 +63,14 @@ class RayRanks:
         self.actors: list = []
         self.refs: list = []
 
-    def start(self) -> EngineConfig:
-        from worker.distributed.ranks import join_as_rank0
-
+    def spawn(self) -> EngineConfig:
+        """Start ranks 1..T-1 as actors; they wait at ``init_method`` for rank 0 (the worker's engine
+        core, a child process of this actor, joins as rank 0)."""
         opts = {"num_gpus": 1} if self.config.device.startswith("cuda") else {"num_cpus": 1}
         for rank in range(1, self.config.tensor_parallel_size):
             actor = RankActor.options(scheduling_strategy=in_bundle(self.pg, rank), **opts).remote()
             self.actors.append(actor)
             self.refs.append(actor.run.remote(self.config, rank, self.init_method))
-        join_as_rank0(self.config, self.init_method, self.dead_rank)
         return self.config
 
     def dead_rank(self) -> str | None:

@@ -15,13 +15,14 @@ import logging
 import uuid
 
 from router.state import CacheEvent, PrefixIndex, Registry, WorkerInfo, WorkerLoad
-from worker.engine.async_engine import AsyncEngine
 
 log = logging.getLogger(__name__)
 
 
 class WorkerPublisher:
-    def __init__(self, engine: AsyncEngine, registry: Registry, index: PrefixIndex, *, worker_id: str,
+    """``engine``: the worker's AsyncEngine or EngineCoreClient (one interface)."""
+
+    def __init__(self, engine, registry: Registry, index: PrefixIndex, *, worker_id: str,
                  address: str, model_source: str, ttl_s: float = 5.0, heartbeat_s: float = 1.0,
                  event_interval_s: float = 0.05):
         self.engine = engine
@@ -30,8 +31,8 @@ class WorkerPublisher:
         stats = engine.stats()
         self.info = WorkerInfo(
             worker_id=worker_id, epoch=uuid.uuid4().hex[:12], address=address, model=engine.model_id,
-            model_source=model_source, capacity=engine.engine.config.max_num_seqs, block_size=stats.block_size,
-            tp_size=engine.engine.config.tensor_parallel_size,
+            model_source=model_source, capacity=engine.config.max_num_seqs, block_size=stats.block_size,
+            tp_size=engine.config.tensor_parallel_size,
             load=self._load(),
         )
         self.ttl_s = ttl_s

@@ -96,7 +96,8 @@ def _status_for(exc: Exception) -> tuple[grpc.StatusCode, str]:
 
 
 class WorkerServicer(pb_grpc.KVCascadeServicer):
-    """The KVCascade service backed by one in-process engine."""
+    """The KVCascade service backed by one engine: an EngineCoreClient (the engine in its own
+    process) or an AsyncEngine (in this one); they share one interface."""
 
     def __init__(self, engine: AsyncEngine):
         self._engine = engine

@@ -134,8 +134,8 @@ def test_dummy_model_tp_matches_tp1_with_replicated_kv_heads(tp_worker, tp):
 def test_a_dead_rank_ends_requests_and_the_worker(tp_worker):
     """SIGKILL rank 1 mid-stream: no request hangs, and rank 0 exits so that it is restarted whole."""
     worker = tp_worker("--model", "dummy:tiny", "--tp", "2")
-    rank1 = _children(worker.proc.pid)
-    assert len(rank1) == 1
+    rank1 = _children(worker.proc.pid, "worker.distributed.ranks")
+    assert len(rank1) == 1 and len(_children(worker.proc.pid, "worker.engine.core")) == 1
     # First, a hung rank could say where it is: SIGUSR1 prints its stacks and it runs on.
     os.kill(rank1[0], signal.SIGUSR1)
     deadline = time.monotonic() + 10
@@ -162,13 +162,15 @@ def test_a_dead_rank_ends_requests_and_the_worker(tp_worker):
     assert worker.proc.wait(15) == 70  # the watchdog's exit code
 
 
-def _children(pid: int) -> list[int]:
+def _children(pid: int, module: str) -> list[int]:
+    """The child processes of ``pid`` running ``python -m module``."""
     kids = []
     for entry in os.listdir("/proc"):
         try:
             with open(f"/proc/{entry}/stat") as f:
                 if entry.isdigit() and int(f.read().rsplit(")", 1)[1].split()[1]) == pid:
-                    kids.append(int(entry))
+                    if module in Path(f"/proc/{entry}/cmdline").read_bytes().decode().split("\0"):
+                        kids.append(int(entry))
         except (OSError, ValueError):
             continue
     return kids

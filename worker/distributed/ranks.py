@@ -104,9 +104,9 @@ class LocalRanks:
         self.procs: list[subprocess.Popen] = []
         self.init_method = f"tcp://127.0.0.1:{free_port()}"
 
-    def start(self) -> EngineConfig:
-        """Spawn the ranks and join the group as rank 0 (returns once every rank has joined); the
-        configuration rank 0's engine runs with."""
+    def spawn(self) -> EngineConfig:
+        """Start ranks 1..T-1, which wait at ``init_method`` for rank 0; the configuration rank 0 runs
+        with (the worker's engine core process joins as rank 0)."""
         dump_stacks_on_sigusr1()
         for rank in range(1, self.config.tensor_parallel_size):
             payload = json.dumps(dataclasses.asdict(local_rank_config(self.config, rank)))
@@ -114,7 +114,12 @@ class LocalRanks:
                 [sys.executable, "-m", "worker.distributed.ranks", "--rank", str(rank), "--init-method",
                  self.init_method, "--parent-pid", str(os.getpid()), "--config", payload],
                 env=dict(os.environ, PYTHONUNBUFFERED="1")))
-        config = local_rank_config(self.config, 0)
+        return local_rank_config(self.config, 0)
+
+    def start(self) -> EngineConfig:
+        """Spawn the ranks and join the group as rank 0 in this process (returns once every rank has
+        joined; benchmarks run rank 0's engine in-process this way)."""
+        config = self.spawn()
         try:
             join_as_rank0(config, self.init_method, self.dead_rank)
         except BaseException:

@@ -49,6 +49,10 @@ class AsyncEngine:
     # --- properties the server needs ----------------------------------------------------------
 
     @property
+    def config(self):
+        return self.engine.config
+
+    @property
     def model_id(self) -> str:
         return self.engine.model_id
 

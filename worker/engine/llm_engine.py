@@ -38,6 +38,7 @@ from worker.engine.block_manager import BlockManager
 from worker.engine.config import EngineConfig
 from worker.engine.detokenizer import take_text_delta, update_text
 from worker.engine.errors import InvalidRequestError
+from worker.engine.input_processor import InputProcessor
 from worker.engine.model_runner import DTYPES, ModelRunner, PendingTokens, cuda_kv_blocks, kv_bytes_per_block
 from worker.engine.outputs import EngineStats, RequestOutput, Usage
 from worker.engine.sampling_params import SamplingParams
@@ -67,6 +68,8 @@ class LLMEngine:
         num_blocks = self.runner.num_blocks
         self.block_manager = BlockManager(num_blocks, config.block_size, self.model_id, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_batched_tokens, config.max_num_seqs)
+        self.inputs = InputProcessor(self.model_id, self.tokenizer, self.max_model_len, self.model_config.vocab_size,
+                                     num_blocks, config.block_size)
         self.requests: dict[str, Sequence] = {}
         self._ids = itertools.count()
         self._inflight: _InFlight | None = None  # the lookahead's launched, unread step
@@ -84,35 +87,11 @@ class LLMEngine:
 
     def tokenize(self, prompt: str | None = None, messages: list[dict] | None = None) -> list[int]:
         """Prompt text or chat messages to token ids, the way the router will do it too."""
-        if self.tokenizer is None:
-            raise InvalidRequestError("prompt", f"{self.model_id} has no tokenizer: send token ids")
-        if messages is not None:
-            if not messages:
-                raise InvalidRequestError("messages", "must hold at least one message")
-            for i, m in enumerate(messages):
-                if not isinstance(m, dict) or not isinstance(m.get("content"), str) or not m.get("role"):
-                    raise InvalidRequestError(f"messages[{i}]", "needs a role and a string content")
-            return list(self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
-                                                           return_dict=False))
-        if not prompt:
-            raise InvalidRequestError("prompt", "must not be empty")
-        return self.tokenizer.encode(prompt, add_special_tokens=False)
+        return self.inputs.tokenize(prompt, messages)
 
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """Refuse what can never run; safe to call from any thread (reads only configuration)."""
-        params.validate()
-        n = len(prompt_token_ids)
-        if n == 0:
-            raise InvalidRequestError("prompt", "must not be empty")
-        if n >= self.max_model_len:
-            raise InvalidRequestError(
-                "prompt", f"{n} tokens leave no room to generate within max_model_len={self.max_model_len}")
-        vocab = self.model_config.vocab_size
-        if any(not 0 <= t < vocab for t in prompt_token_ids):
-            raise InvalidRequestError("prompt_token_ids", f"token ids must be in [0, {vocab})")
-        if self.block_manager.blocks_needed(n + 1) > self.block_manager.num_blocks:
-            raise InvalidRequestError(
-                "prompt", f"{n} tokens do not fit the KV cache ({self.block_manager.num_blocks} blocks)")
+        self.inputs.validate(prompt_token_ids, params)
 
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams,
                     request_id: str | None = None, arrival_time: float | None = None) -> str:

@@ -33,6 +33,15 @@ class RequestOutput:
     ttft_s: float | None = None  # on the last update: seconds from arrival to first token
     error: str | None = None  # with finish_reason "error"
 
+    def merged(self, later: "RequestOutput") -> "RequestOutput":
+        """This update followed by ``later`` as one (a stream that lags sends what is there at once)."""
+        logprobs = None
+        if self.logprobs is not None or later.logprobs is not None:
+            logprobs = (self.logprobs or []) + (later.logprobs or [])
+        return RequestOutput(self.request_id, self.new_token_ids + later.new_token_ids,
+                             self.text_delta + later.text_delta, logprobs, later.finished, later.finish_reason,
+                             later.usage, later.ttft_s, later.error)
+
 
 @dataclass
 class EngineStats:

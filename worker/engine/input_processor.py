@@ -1,0 +1,54 @@
+"""A request's prompt to token ids, and the checks that refuse what can never run.
+
+Both need only the tokenizer and a few numbers fixed at start-up, so the worker's front end runs
+them at the door (in its own process) and the engine core never spends a step on them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from worker.engine.errors import InvalidRequestError
+from worker.engine.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True)
+class InputProcessor:
+    model_id: str
+    tokenizer: Any  # a Hugging Face tokenizer, or None (token ids only)
+    max_model_len: int
+    vocab_size: int
+    num_blocks: int  # KV blocks in the pool
+    block_size: int
+
+    def tokenize(self, prompt: str | None = None, messages: list[dict] | None = None) -> list[int]:
+        """Prompt text or chat messages to token ids, the way the router will do it too."""
+        if self.tokenizer is None:
+            raise InvalidRequestError("prompt", f"{self.model_id} has no tokenizer: send token ids")
+        if messages is not None:
+            if not messages:
+                raise InvalidRequestError("messages", "must hold at least one message")
+            for i, m in enumerate(messages):
+                if not isinstance(m, dict) or not isinstance(m.get("content"), str) or not m.get("role"):
+                    raise InvalidRequestError(f"messages[{i}]", "needs a role and a string content")
+            return list(self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                                           return_dict=False))
+        if not prompt:
+            raise InvalidRequestError("prompt", "must not be empty")
+        return self.tokenizer.encode(prompt, add_special_tokens=False)
+
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Refuse what can never run; safe from any thread (reads only configuration)."""
+        params.validate()
+        n = len(prompt_token_ids)
+        if n == 0:
+            raise InvalidRequestError("prompt", "must not be empty")
+        if n >= self.max_model_len:
+            raise InvalidRequestError(
+                "prompt", f"{n} tokens leave no room to generate within max_model_len={self.max_model_len}")
+        vocab = self.vocab_size
+        if any(not 0 <= t < vocab for t in prompt_token_ids):
+            raise InvalidRequestError("prompt_token_ids", f"token ids must be in [0, {vocab})")
+        if -(-(n + 1) // self.block_size) > self.num_blocks:
+            raise InvalidRequestError("prompt", f"{n} tokens do not fit the KV cache ({self.num_blocks} blocks)")
