@@ -10,6 +10,7 @@ import argparse
 import asyncio
 import dataclasses
 import logging
+import os
 import re
 import sys
 from collections.abc import Callable
@@ -56,6 +57,8 @@ class _EngineFlag:
 
 _ENGINE_FLAGS = (
     _EngineFlag("--model", "model", str, "built-in model name, a .gguf file or a safetensors folder"),
+    _EngineFlag("--tokenizer", "tokenizer", str,
+                "a tokenizer folder, tokenizer.json or .gguf to use instead of the model's (e.g. for dummy: models)"),
     _EngineFlag("--device", "device", str, "torch device: cpu, cuda, cuda:1, ..."),
     _EngineFlag("--dtype", "dtype", str, "weight and activation dtype: float32, bfloat16, float16"),
     _EngineFlag("--block-size", "block_size", int, "tokens per KV-cache block"),
@@ -167,6 +170,9 @@ def build_parser() -> argparse.ArgumentParser:
         _add_state_flags(sub)
     for sub in (serve, router):
         _add_router_flags(sub)
+    router.add_argument("--tokenizer", metavar="PATH",
+                        help="tokenize every model's prompts with this tokenizer folder, tokenizer.json or .gguf "
+                             "(default: the one each worker registers: its --tokenizer, else its model's)")
     group = serve.add_argument_group("Ray (workers as actors; README: 'Ray and tensor parallelism')")
     group.add_argument("--workers", type=int, metavar="N",
                        help="run N workers (per model) as Ray actor groups, each on --tp GPUs or CPU ranks of one "
@@ -213,7 +219,8 @@ async def _run(args: argparse.Namespace) -> None:
             ropts = RouterOptions(host=args.host, port=args.port, http_port=args.http_port,
                                   redis_url=args.redis_url, policy=args.policy,
                                   api_keys=[*args.api_keys, *api_keys_from_env()], key_prefix=args.key_prefix,
-                                  cascade=args.cascade)
+                                  cascade=args.cascade,
+                                  tokenizer=args.tokenizer if args.command == "router" else None)
             if args.command == "serve" and (args.workers or args.address):
                 from deploy.ray_serve import start_ray_workers
 
@@ -256,6 +263,11 @@ def _serve_engine_configs(args: argparse.Namespace) -> list[EngineConfig]:
 
     base = engine_config(args)
     return [dataclasses.replace(base, model=model) for model in load_cascade(args.cascade).models]
+
+
+def _check_tokenizer_path(path: str | None) -> None:
+    if path and not os.path.exists(path):
+        raise FileNotFoundError(f"--tokenizer {path}: no such file or folder")
 
 
 def _check_tp(config: EngineConfig) -> None:
@@ -327,6 +339,7 @@ def main(argv: list[str] | None = None) -> int:
         try:  # check the flags (and the cascade file) before loading anything
             for config in _serve_engine_configs(args) if args.command == "serve" else [engine_config(args)]:
                 resolve_model(config.model)
+                _check_tokenizer_path(config.tokenizer)
         except (ValueError, FileNotFoundError) as err:  # CascadeConfigError is a ValueError
             parser.error(str(err))
     elif args.cascade:
@@ -345,6 +358,11 @@ def main(argv: list[str] | None = None) -> int:
             for config in _serve_engine_configs(args) if args.command == "serve" else [engine_config(args)]:
                 _check_tp(config)
         except ValueError as err:
+            parser.error(str(err))
+    if args.command == "router":
+        try:
+            _check_tokenizer_path(args.tokenizer)
+        except FileNotFoundError as err:
             parser.error(str(err))
     if args.command == "router" and not args.redis_url:
         parser.error("router needs --redis-url: that is where workers register (kvcascade serve runs "

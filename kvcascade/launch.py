@@ -53,6 +53,7 @@ class RouterOptions:
     api_keys: Collection[str] = ()
     key_prefix: str = "kvc:"
     cascade: str | None = None  # a cascade file (router/cascade_config.py), re-read when it changes
+    tokenizer: str | None = None  # one tokenizer for every model, instead of each worker's (--tokenizer)
 
 
 class Running:
@@ -176,7 +177,7 @@ async def start_router(opts: RouterOptions, running: Running, *, registry=None, 
         running.on_stop(watcher.cancel)
         log.info("cascade from %s: tiers %s, mode %s", opts.cascade,
                  [f"{t.name}={t.model}" for t in cascade.config.tiers], cascade.config.mode)
-    router = Router(registry, index, RouterConfig(policy=opts.policy), cascade=cascade)
+    router = Router(registry, index, RouterConfig(policy=opts.policy, tokenizer=opts.tokenizer), cascade=cascade)
     running.on_stop(router.close)
     sweeper = asyncio.create_task(router.run_sweeper(), name="index-sweeper")
     running.on_stop(sweeper.cancel)

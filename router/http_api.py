@@ -198,7 +198,7 @@ async def _model_and_tokenizer(router: Router, call: Call) -> tuple[str, Any]:
     pool = [w for w in workers if w.model == source]
     if not call.wants_logprobs or not pool:
         return model, None
-    return model, await router.tokenizers.get(pool[0].model_source or model)
+    return model, await router.tokenizers.of(pool[0])
 
 
 async def _answer(router: Router, request: Request, call: Call) -> Response:

@@ -50,27 +50,35 @@ class RouterConfig:
     policy: str = "prefix_aware"
     max_attempts: int = 3  # workers tried before the first token
     default_timeout_s: float | None = None  # per request, when the client sets no deadline
+    tokenizer: str | None = None  # --tokenizer: one tokenizer for every model instead of each worker's
 
 
 class Tokenizers:
-    """One tokenizer per model source, loaded on first use, the same way the worker loads it."""
+    """One tokenizer per model source (and --tokenizer), loaded on first use, the way the worker loads it;
+    ``override``: the router's own --tokenizer, used for every model."""
 
-    def __init__(self) -> None:
-        self._by_source: dict[str, object] = {}
+    def __init__(self, override: str | None = None) -> None:
+        self.override = override
+        self._by_source: dict[tuple[str, str], object] = {}
         self._lock = asyncio.Lock()
 
-    async def get(self, source: str):
-        if source not in self._by_source:
+    async def get(self, source: str, tokenizer: str = ""):
+        key = (source, self.override or tokenizer)
+        if key not in self._by_source:
             async with self._lock:
-                if source not in self._by_source:
-                    self._by_source[source] = await asyncio.to_thread(_load_tokenizer, source)
-        return self._by_source[source]
+                if key not in self._by_source:
+                    self._by_source[key] = await asyncio.to_thread(_load_tokenizer, *key)
+        return self._by_source[key]
+
+    async def of(self, worker) -> object:
+        """The tokenizer for a registered worker's prompts."""
+        return await self.get(worker.model_source or worker.model, worker.tokenizer)
 
 
-def _load_tokenizer(source: str):
+def _load_tokenizer(source: str, tokenizer: str):
     from worker.models.loader import load_tokenizer, resolve_model
 
-    return load_tokenizer(resolve_model(source))
+    return load_tokenizer(resolve_model(source), tokenizer or None)
 
 
 def tokenize(tokenizer, request: pb.GenerateRequest) -> list[int]:
@@ -106,7 +114,7 @@ class Router:
         self.policy = policy or create_policy(self.config.policy)
         self.metrics = metrics or RouterMetrics()
         self.clients = WorkerClients()
-        self.tokenizers = Tokenizers()
+        self.tokenizers = Tokenizers(self.config.tokenizer)
         self._in_flight: dict[str, int] = defaultdict(int)
         self.prompt_tokens_total = 0  # over finished requests, for Stats
         self.cached_tokens_total = 0
@@ -220,7 +228,7 @@ class Router:
         pool = [w for w in workers if w.model == model]
         if not pool:
             raise RouterError(grpc.StatusCode.INVALID_ARGUMENT, f"model: unknown model {model!r}; served: {served}")
-        tokenizer = await self.tokenizers.get(pool[0].model_source or model)
+        tokenizer = await self.tokenizers.of(pool[0])
         ids = await asyncio.to_thread(tokenize, tokenizer, request)
         block_size = pool[0].block_size
         cached: dict[str, int] = {}

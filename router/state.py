@@ -39,6 +39,7 @@ class WorkerInfo:
     address: str  # host:port of the worker's gRPC server
     model: str
     model_source: str = ""  # what the worker was started with (--model): the router loads the same tokenizer
+    tokenizer: str = ""  # the worker's --tokenizer, when it has one: the router loads that instead
     tp_size: int = 1
     capacity: int = 0  # max_num_seqs: requests it runs at once
     block_size: int = 16

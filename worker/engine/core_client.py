@@ -120,7 +120,7 @@ class EngineCoreClient:
             env=dict(os.environ, PYTHONUNBUFFERED="1"))
         try:
             # The tokenizer loads here while the core loads the model.
-            tokenizer = self._tokenizer if self._tokenizer is not None else load_tokenizer(resolve_model(self.config.model))
+            tokenizer = self._tokenizer if self._tokenizer is not None else load_tokenizer(resolve_model(self.config.model), self.config.tokenizer)
             ready = self._wait_ready(timeout_s, watch)
         except BaseException:
             self._kill()

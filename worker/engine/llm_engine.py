@@ -60,7 +60,7 @@ class LLMEngine:
         source = resolve_model(config.model)
         self.model_id = source.model_id
         self.model_config = load_config(source)
-        self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(source)
+        self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(source, config.tokenizer)
         self.max_model_len = _max_model_len(config, self.model_config)
         self.eos_token_ids = set(self.model_config.eos_token_ids)
         self.runner = build_runner(config, source, self.model_config, model)

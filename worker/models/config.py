@@ -78,6 +78,12 @@ PRESETS: dict[str, dict[str, Any]] = {
         num_kv_heads=3, rms_norm_eps=1e-5, rope_theta=100000.0, max_position_embeddings=8192,
         tie_word_embeddings=True,
     ),
+    # SmolLM2's vocabulary (and tokenizer) in a small shape of other head counts: a second model
+    # for tests, cheap to load, whose KV blocks do not fit SmolLM2's.
+    "smollm2-mini": dict(
+        vocab_size=49152, hidden_size=128, intermediate_size=256, num_layers=2, num_heads=4,
+        num_kv_heads=2, max_position_embeddings=8192, tie_word_embeddings=True,
+    ),
     "tiny": dict(
         vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
         num_kv_heads=2, max_position_embeddings=1024,

@@ -1,0 +1,107 @@
+"""`kvcascade serve` as a user runs it: a process with engine cores of its own, HTTP and gRPC."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import pytest
+
+from deploy.local import REPO, free_port
+
+
+class Serve:
+    def __init__(self, *args: str):
+        self.port, self.http_port = free_port(), free_port()
+        self.log = open(Path(tempfile.gettempdir()) / f"kvcascade-serve-{self.http_port}.log", "w")
+        env = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "kvcascade", "serve", "--port", str(self.port), "--http-port", str(self.http_port),
+             *args], cwd=REPO, env=env, stdout=self.log, stderr=subprocess.STDOUT)
+        self.url = f"http://127.0.0.1:{self.http_port}"
+
+    def wait_ready(self, timeout: float = 300) -> Serve:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            assert self.proc.poll() is None, Path(self.log.name).read_text()[-3000:]
+            try:
+                if httpx.get(f"{self.url}/v1/models", timeout=2).status_code == 200 and "kvcascade serve ready" in \
+                        Path(self.log.name).read_text():
+                    return self
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        raise TimeoutError(Path(self.log.name).read_text()[-3000:])
+
+    def stop(self) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+        return self.proc.wait()
+
+
+def _chat(url: str, i: int, **fields) -> httpx.Response:
+    body = {"messages": [{"role": "user", "content": f"What is {i} plus {i + 1}?"}], "temperature": 0,
+            "max_tokens": 12, **fields}
+    return httpx.post(f"{url}/v1/chat/completions", json=body, timeout=120)
+
+
+@pytest.mark.slow
+def test_a_cascade_serve_answers_many_concurrent_requests_to_both_tiers(tmp_path):
+    """The reported crash: both tiers' engines stepping at once in one serve wrote into each other's
+    KV cache (HTTP 500). Two models of different KV shapes, tiers pinned and the cascade, 4 at a time."""
+    cascade = tmp_path / "cascade.yaml"
+    cascade.write_text("tiers:\n  - name: small\n    model: dummy:smollm2-mini\n    measure: mean_logprob\n"
+                       "    threshold: -0.5\n  - name: large\n    model: smollm2-135m\n")
+    serve = Serve("--cascade", str(cascade)).wait_ready()
+    try:
+        asks = [{"tier": "small"}, {"tier": "large"}, {}] * 8
+        with ThreadPoolExecutor(4) as pool:
+            answers = list(pool.map(lambda a: _chat(serve.url, a[0], **a[1]), enumerate(asks)))
+        assert [r.status_code for r in answers] == [200] * len(asks), [r.text for r in answers if r.status_code != 200]
+        bodies = [r.json() for r in answers]
+        assert all(b["usage"]["completion_tokens"] >= 1 for b in bodies)
+        assert {b["tier"] for b in bodies[0::3]} == {"small"} and {b["tier"] for b in bodies[1::3]} == {"large"}
+        # Greedy answers do not depend on what ran beside them.
+        again = _chat(serve.url, 1, tier="large").json()
+        assert again["choices"][0]["message"]["content"] == bodies[1]["choices"][0]["message"]["content"]
+    finally:
+        assert serve.stop() == 0
+
+
+@pytest.mark.slow
+def test_serve_a_dummy_model_with_a_tokenizer_folder(tmp_path, smollm2):
+    """--tokenizer: a machine without the bundled GGUF serves text for a dummy: model (the GPU benchmark)."""
+    smollm2.tokenizer.save_pretrained(tmp_path / "tok")
+    serve = Serve("--model", "dummy:smollm2-mini", "--tokenizer", str(tmp_path / "tok")).wait_ready()
+    try:
+        r = _chat(serve.url, 3, max_tokens=5, ignore_eos=True)
+        assert r.status_code == 200, r.text
+        body = r.json()
+        assert body["usage"]["completion_tokens"] == 5 and body["choices"][0]["message"]["content"]
+        # The router tokenized the prompt with the same tokenizer as the worker.
+        messages = [{"role": "user", "content": "What is 3 plus 4?"}]
+        ids = smollm2.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                                    return_dict=False)
+        assert body["usage"]["prompt_tokens"] == len(ids)
+    finally:
+        assert serve.stop() == 0
+
+
+def test_a_tokenizer_that_is_not_there_is_refused_before_loading(capsys):
+    from kvcascade.cli import main
+
+    for argv in (["serve", "--tokenizer", "/no/such/tok"], ["router", "--redis-url", "redis://x", "--tokenizer", "/nope"]):
+        with pytest.raises(SystemExit):
+            main(argv)
+        assert "no such file or folder" in capsys.readouterr().err
