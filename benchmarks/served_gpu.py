@@ -44,13 +44,9 @@ def server_flags(engine: dict) -> list[str]:
     return [x for k, v in engine.items() for x in (f"--{k.replace('_', '-')}", str(v))]
 
 
-def workload(tokenizer, seed: int = 0, n: int = 256, scale: float = 1.0) -> list[tuple[str, list[int], int]]:
-    """(prompt text, its token ids, output tokens) per request (``scale``: shorter, for a CPU smoke run)."""
-    rng = random.Random(seed)
-    lengths = [(max(1, int(scale * rng.randint(100, 1024))), max(1, int(scale * rng.randint(100, 1024))))
-               for _ in range(n)]
-    # Words that are one token with their leading space and stay one token in any sequence of such
-    # words: the text's token count is the word count (checked below, on the encoded text).
+def single_token_words(tokenizer) -> list[str]:
+    """Words that are one token with their leading space and stay one token in any sequence of such
+    words: a text of them has as many tokens as words (checked on the encoded text)."""
     vocab = []
     for word in ("time year people way day man thing woman life child world school state family student "
                  "group country problem hand part place case week company system program question work "
@@ -61,9 +57,31 @@ def workload(tokenizer, seed: int = 0, n: int = 256, scale: float = 1.0) -> list
         ids = tokenizer.encode(" " + word, add_special_tokens=False)
         if len(ids) == 1:
             vocab.append(word)
+    return vocab
+
+
+def workload(tokenizer, seed: int = 0, n: int = 256, scale: float = 1.0) -> list[tuple[str, list[int], int]]:
+    """(prompt text, its token ids, output tokens) per request (``scale``: shorter, for a CPU smoke run)."""
+    rng = random.Random(seed)
+    lengths = [(max(3, int(scale * rng.randint(100, 1024))), max(1, int(scale * rng.randint(100, 1024))))
+               for _ in range(n)]
+    vocab = single_token_words(tokenizer)
     out = []
     for p_len, o_len in lengths:
         text = " ".join(rng.choice(vocab) for _ in range(p_len))
+        out.append((text, tokenizer.encode(text, add_special_tokens=False), o_len))
+    return out
+
+
+def salted(work, tokenizer, salt: int):
+    """The same requests with their first word replaced by one of its own per run: no prompt of one
+    run is found in the prefix cache that an earlier run filled (the chained hashes differ from
+    the first block on), and the lengths do not change."""
+    word = single_token_words(tokenizer)[salt]
+    out = []
+    for text, _, o_len in work:
+        first, _, rest = text.split(" ", 2)
+        text = f"{first} {word} {rest}"
         out.append((text, tokenizer.encode(text, add_special_tokens=False), o_len))
     return out
 
@@ -108,7 +126,7 @@ def arrivals(n: int, rate: float | None, seed: int = 1) -> list[float]:
 # --- offline ----------------------------------------------------------------------------------------
 
 
-def run_offline(work, loads: list[float | None], engine_kw: dict) -> dict:
+def run_offline(work, loads: list[float | None], engine_kw: dict, tokenizer) -> dict:
     from worker.engine.config import EngineConfig
     from worker.engine.llm_engine import LLMEngine
     from worker.engine.sampling_params import SamplingParams
@@ -117,9 +135,11 @@ def run_offline(work, loads: list[float | None], engine_kw: dict) -> dict:
     warm = [ids for _, ids, _ in work[:64]]
     engine.generate(warm, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, detokenize=False))
     res, rate = {}, None
-    for load in loads:
+    base = work
+    for salt, load in enumerate(["warm-up", *loads]):
         engine.block_manager.reset_prefix_cache()
-        when = arrivals(len(work), None if load is None else load * rate)
+        work = salted(base, tokenizer, salt)
+        when = arrivals(len(work), None if load in (None, "warm-up") else load * rate)
         recs = [{"start": w, "ttft": None, "e2e": None, "tokens": 0, "ok": True} for w in when]
         t0 = time.perf_counter()
         nxt = 0
@@ -143,7 +163,8 @@ def run_offline(work, loads: list[float | None], engine_kw: dict) -> dict:
                 r["tokens"] += len(o.new_token_ids)
                 if o.finished:
                     r["e2e"] = now - r["start"]
-        key = "closed" if load is None else f"poisson_{load:g}"
+        key = load if load in (None, "warm-up") else f"poisson_{load:g}"
+        key = "closed" if key is None else key
         res[key] = summarize(recs)
         if load is None:
             rate = len(work) / res[key]["window_s"]  # requests/s the engine sustains on (b)
@@ -239,15 +260,18 @@ def stop(proc: subprocess.Popen) -> None:
         proc.wait()
 
 
-def run_targets(name: str, targets: list[tuple[str, str, str]], work, loads, rate, processes) -> dict:
+def run_targets(name: str, targets: list[tuple[str, str, str]], work, loads, rate, processes, tokenizer) -> dict:
+    """Every run's prompts are salted anew: the same requests, none found in the cache (salted)."""
     res = {}
+    salt = 0
     for label, protocol, address in targets:
-        warm = [w for w in work[:32]]
-        drive(address, protocol, [(t, i, 8) for t, i, _ in warm], [0.0] * len(warm), 1)  # compile, connect
+        # A discarded closed run first: the server compiles what it first sees, as the offline run did.
+        res[f"{label}_warm-up"] = drive(address, protocol, salted(work, tokenizer, salt), [0.0] * len(work), processes)
         for load in loads:
+            salt += 1
             when = arrivals(len(work), None if load is None else load * rate)
             key = f"{label}_{'closed' if load is None else f'poisson_{load:g}'}"
-            res[key] = drive(address, protocol, work, when, processes)
+            res[key] = drive(address, protocol, salted(work, tokenizer, salt), when, processes)
             print(f"{name} {key}: {json.dumps(res[key])}", flush=True)
     return res
 
@@ -285,7 +309,7 @@ def main() -> None:
     closed_and_poisson = [None, *args.poisson]
     rate = args.rate
     if "offline" in args.parts:
-        res["offline"] = run_offline(work, closed_and_poisson, engine_kw)
+        res["offline"] = run_offline(work, closed_and_poisson, engine_kw, tok)
         rate = res["offline"]["offline_rate_req_s"]
         import gc
 
@@ -301,7 +325,7 @@ def main() -> None:
         proc = start(["worker", "--port", str(port), *flags], args.logs / "worker.log", port)
         try:
             res["worker"] = run_targets("worker", [("grpc_worker", "grpc", f"127.0.0.1:{port}")], work, loads, rate,
-                                        args.processes)
+                                        args.processes, tok)
         finally:
             stop(proc)
     if "serve" in args.parts:
@@ -310,7 +334,7 @@ def main() -> None:
         targets = [("grpc_router", "grpc", f"127.0.0.1:{port}"), ("http_router", "http", f"http://127.0.0.1:{http}")]
         try:
             res["serve"] = run_targets("serve", targets[1:] if args.http_only else targets, work, loads, rate,
-                                       args.processes)
+                                       args.processes, tok)
         finally:
             stop(proc)
     if "split" in args.parts:
@@ -325,7 +349,7 @@ def main() -> None:
         try:
             time.sleep(2)
             res["split"] = run_targets("split", [("http_split", "http", f"http://127.0.0.1:{http}")], work, loads,
-                                       rate, args.processes)
+                                       rate, args.processes, tok)
         finally:
             stop(router)
             stop(worker)
