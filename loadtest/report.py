@@ -66,6 +66,8 @@ _ROWS: list[tuple[str, Callable[[dict[str, Any]], str]]] = [
     ("tier mix", lambda s: _shares(s["tiers"])),
     ("escalation rate", lambda s: NA if s["escalation_rate"] is None else f"{s['escalation_rate']:.0%}"),
     ("worker share", lambda s: _shares(s["workers"])),
+    ("harness processes, busiest", lambda s: "{}, {}".format(
+        s["harness"]["processes"], "-" if s["harness"]["loop_busy"] is None else f"{s['harness']['loop_busy']:.0%}")),
 ]
 
 
