@@ -103,8 +103,9 @@ async def start_ray_workers(configs: list[EngineConfig], workers: int, running, 
 
 def _cause(exc: BaseException) -> str:
     """One line for a Ray actor's failure: for an error raised in its ``__init__``, that error's
-    last line (``ValueError: ...``); else Ray's own first line."""
+    last line (``ValueError: ...``, without the StartupError that carried it out of the worker's
+    start); else Ray's own first line."""
     lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
     if getattr(exc, "actor_init_failed", False) and lines:
-        return lines[-1]
+        return lines[-1].removeprefix(f"{StartupError.__module__}.{StartupError.__qualname__}: ")
     return lines[0] if lines else type(exc).__name__
