@@ -12,6 +12,7 @@ import grpc
 from kvcascade.grpc_server import GrpcServer
 from protos import kvcascade_pb2 as pb
 from protos import kvcascade_pb2_grpc as pb_grpc
+from router.coalesce import coalesced
 from router.errors import RouterError
 from router.router import Router
 
@@ -46,8 +47,9 @@ class RouterServicer(pb_grpc.KVCascadeServicer):
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> None:
         # A coroutine writing with context.write: a cancelled call cancels this task, and closing
         # the stream below cancels the worker call, so the worker frees the request's blocks.
+        # Coalesced: a client that reads slower than the worker writes gets fewer, larger messages.
         await self._check_key(context)
-        stream = self.router.generate(request, timeout=context.time_remaining())
+        stream = coalesced(self.router.generate(request, timeout=context.time_remaining()))
         try:
             async for msg in stream:
                 await context.write(msg)

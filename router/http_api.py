@@ -14,13 +14,16 @@ A stream is only opened once the first worker message is in, so everything that 
 any output (a bad field, no worker, a full queue) still gets its HTTP status; a failure after
 that ends the stream with an ``{"error": ...}`` event. A worker that ends a request with
 "error" or "abort" counts as a failure (INTERNAL, UNAVAILABLE): OpenAI has no such finish reason.
+
+Streams cost little per token: a client that reads slower than the worker writes gets one event
+per batch of the messages it has not yet been sent (router/coalesce.py), never a token held back,
+and bodies and events are serialized with orjson.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import re
 import secrets
 import socket
@@ -28,6 +31,7 @@ from collections.abc import AsyncIterator, Awaitable, Collection
 from typing import Any, TypeVar
 
 import grpc
+import orjson
 import pydantic
 import uvicorn
 from fastapi import APIRouter, Depends, FastAPI, Request
@@ -37,6 +41,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException
 
 from protos import kvcascade_pb2 as pb
+from router.coalesce import coalesced
 from router.errors import RouterError
 from router.openai_protocol import Answer, BadRequest, Call, ChatRequest, CompletionRequest, chat_call, completion_call
 from router.router import Router
@@ -57,6 +62,13 @@ _TYPE = {400: "invalid_request_error", 401: "invalid_request_error", 404: "inval
 _FIELD = re.compile(r"[A-Za-z_][\w.\[\]]*")  # what a RouterError's "field: message" names
 
 
+class _JSONResponse(JSONResponse):
+    """JSON bodies through orjson (several times faster than json.dumps; the same JSON, as UTF-8)."""
+
+    def render(self, content: Any) -> bytes:
+        return orjson.dumps(content)
+
+
 class ApiError(Exception):
     def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None):
         super().__init__(message)
@@ -68,7 +80,7 @@ class ApiError(Exception):
 
     def response(self) -> JSONResponse:
         headers = {"WWW-Authenticate": "Bearer"} if self.status == 401 else None
-        return JSONResponse(self.body(), status_code=self.status, headers=headers)
+        return _JSONResponse(self.body(), status_code=self.status, headers=headers)
 
 
 def _from_router(err: RouterError, call: Call) -> ApiError:
@@ -145,30 +157,38 @@ async def _unless_client_leaves(request: Request, work: Awaitable[T]) -> T:
     return task.result()
 
 
-def _event(data: dict[str, Any] | str) -> bytes:
-    return f"data: {data if isinstance(data, str) else json.dumps(data, separators=(',', ':'))}\n\n".encode()
+def _event(data: dict[str, Any]) -> bytes:
+    return b"data: " + orjson.dumps(data) + b"\n\n"
+
+
+_DONE = b"data: [DONE]\n\n"
 
 
 async def _events(answer: Answer, first: pb.GenerateResponse,
                   rest: AsyncIterator[pb.GenerateResponse]) -> AsyncIterator[bytes]:
+    """The SSE body: an event per (coalesced) message; events ready together go out in one write
+    (the role chunk with the first text, the last text with the usage chunk and [DONE])."""
     async with contextlib.aclosing(rest):
-        if (opening := answer.first_chunk()) is not None:
-            yield _event(opening)
+        ready = [_event(opening)] if (opening := answer.first_chunk()) is not None else []
         msg = first
         try:
             while True:
                 if (chunk := answer.chunk(msg)) is not None:
-                    yield _event(chunk)
+                    ready.append(_event(chunk))
                 if msg.finish_reason:
                     if answer.call.include_usage:
-                        yield _event(answer.usage_chunk(msg.usage))
+                        ready.append(_event(answer.usage_chunk(msg.usage)))
                     break
+                if ready:
+                    yield b"".join(ready)
+                    ready.clear()
                 msg = await anext(rest)
         except RouterError as err:
-            yield _event(_from_router(err, answer.call).body())
+            ready.append(_event(_from_router(err, answer.call).body()))
         except StopAsyncIteration:
-            yield _event(ApiError(502, "the worker's stream ended without a finish reason").body())
-        yield _event("[DONE]")
+            ready.append(_event(ApiError(502, "the worker's stream ended without a finish reason").body()))
+        ready.append(_DONE)
+        yield b"".join(ready)
 
 
 class _EventStream(StreamingResponse):
@@ -205,10 +225,12 @@ async def _answer(router: Router, request: Request, call: Call) -> Response:
     model, tokenizer = await _model_and_tokenizer(router, call)
     answer = Answer(call, model, tokenizer)
     messages = _checked(router.generate(call.request))
+    if call.stream:  # errors checked before merging, so the tokens before a failure still go out
+        messages = coalesced(messages)
     try:
         if not call.stream:
             collected = await _unless_client_leaves(request, _collect(messages))
-            return JSONResponse(answer.response(collected))
+            return _JSONResponse(answer.response(collected))
         first = await anext(messages)
     except RouterError as err:
         await messages.aclose()
@@ -232,7 +254,8 @@ async def _collect(messages: AsyncIterator[pb.GenerateResponse]) -> list[pb.Gene
 def create_app(router: Router, *, api_keys: Collection[str] = ()) -> FastAPI:
     """An OpenAI-compatible app over ``router``; with ``api_keys``, /v1/* needs one as a bearer token."""
     keys = [k.encode() for k in api_keys if k]
-    app = FastAPI(title="kvcascade router", docs_url=None, redoc_url=None, openapi_url=None)
+    app = FastAPI(title="kvcascade router", docs_url=None, redoc_url=None, openapi_url=None,
+                  default_response_class=_JSONResponse)
 
     async def authorize(request: Request) -> None:
         scheme, _, token = request.headers.get("authorization", "").partition(" ")
@@ -269,8 +292,8 @@ def create_app(router: Router, *, api_keys: Collection[str] = ()) -> FastAPI:
     @app.get("/readyz")
     async def readyz() -> JSONResponse:
         if await router.ready():
-            return JSONResponse({"status": "ready"})
-        return JSONResponse({"status": "no live worker"}, status_code=503)
+            return _JSONResponse({"status": "ready"})
+        return _JSONResponse({"status": "no live worker"}, status_code=503)
 
     @app.get("/metrics")
     async def metrics() -> Response:

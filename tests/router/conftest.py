@@ -6,7 +6,6 @@ Redis tests fail, they do not skip, so a CI machine that lacks it cannot pass by
 
 from __future__ import annotations
 
-import asyncio
 import inspect
 import shutil
 import socket
@@ -16,6 +15,8 @@ from pathlib import Path
 
 import pytest
 import redis
+
+from router.event_loop import run
 
 REDIS_SERVER = shutil.which("redis-server")
 
@@ -104,8 +105,9 @@ def restartable_redis(tmp_path) -> RedisServer:
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_pyfunc_call(pyfuncitem):
-    """Run ``async def`` tests in a fresh event loop; afterwards, in that loop, await ``aclose()``
-    on each of the test's fixture values that has one (clients are bound to the loop)."""
+    """Run ``async def`` tests in a fresh event loop (the router's: uvloop where installed); afterwards,
+    in that loop, await ``aclose()`` on each of the test's fixture values that has one (clients are
+    bound to the loop)."""
     if not inspect.iscoroutinefunction(pyfuncitem.obj):
         return None
     kwargs = {name: pyfuncitem.funcargs[name] for name in inspect.signature(pyfuncitem.obj).parameters}
@@ -118,5 +120,5 @@ def pytest_pyfunc_call(pyfuncitem):
                 if inspect.iscoroutinefunction(getattr(value, "aclose", None)):
                     await value.aclose()
 
-    asyncio.run(main())
+    run(main())
     return True

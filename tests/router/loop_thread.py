@@ -1,14 +1,17 @@
-"""An asyncio loop on a background thread, so synchronous tests can drive async servers."""
+"""An event loop on a background thread, so synchronous tests can drive async servers. It is the
+loop the router runs on (uvloop where installed, router/event_loop.py)."""
 
 from __future__ import annotations
 
 import asyncio
 import threading
 
+from router.event_loop import new_event_loop
+
 
 class LoopThread:
     def __init__(self) -> None:
-        self.loop = asyncio.new_event_loop()
+        self.loop = new_event_loop()
         self._thread = threading.Thread(target=self.loop.run_forever, daemon=True, name="test-loop")
         self._thread.start()
 
