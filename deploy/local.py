@@ -78,18 +78,24 @@ class WorkerProcess:
                 self.kill()
 
 
+def redis_server_binary() -> str:
+    """The path of redis-server, or FileNotFoundError saying how to get one (the CLI checks early)."""
+    import shutil
+
+    binary = shutil.which("redis-server")
+    if binary is None:
+        raise FileNotFoundError("redis-server is not installed (apt-get install -y redis-server); "
+                                "or pass --redis-url")
+    return binary
+
+
 class LocalRedis:
     """A redis-server child process on a free loopback port, no persistence: `kvcascade serve
-    --workers N` uses one when no --redis-url is given, so Ray workers share a registry and index."""
+    --workers N` and `--http-workers N` use one when no --redis-url is given, so Ray workers and
+    HTTP processes share a registry and index."""
 
     def __init__(self, workdir: str | None = None):
-        import shutil
-
-        binary = shutil.which("redis-server")
-        if binary is None:
-            raise FileNotFoundError("redis-server is not installed (apt-get install -y redis-server); "
-                                    "or pass --redis-url")
-        self.binary = binary
+        self.binary = redis_server_binary()
         self.port = free_port()
         self.workdir = workdir or tempfile.mkdtemp(prefix="kvcascade-redis-")
         self.proc: subprocess.Popen | None = None

@@ -7,7 +7,6 @@ defaults live in one place; a flag left out is not passed at all.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import dataclasses
 import logging
 import os
@@ -135,6 +134,11 @@ def _add_router_flags(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("router")
     group.add_argument("--http-port", type=int, default=8000,
                        help="port of the OpenAI-style HTTP API (default: %(default)s)")
+    group.add_argument("--http-workers", type=int, default=1, metavar="N",
+                       help="processes serving the HTTP API on --http-port (SO_REUSEPORT: the kernel spreads "
+                            "connections over them), for when one saturates a core relaying streams; they share "
+                            "the registry and index in Redis, so serve without --redis-url then starts a local "
+                            "redis-server. /metrics answers for the one process a scrape reaches (default: %(default)s)")
     group.add_argument("--policy", default="prefix_aware", choices=sorted(POLICIES),
                        help="how to pick a worker (default: %(default)s)")
     group.add_argument("--api-key", action="append", default=[], dest="api_keys",
@@ -219,17 +223,17 @@ async def _run(args: argparse.Namespace) -> None:
             ropts = RouterOptions(host=args.host, port=args.port, http_port=args.http_port,
                                   redis_url=args.redis_url, policy=args.policy,
                                   api_keys=[*args.api_keys, *api_keys_from_env()], key_prefix=args.key_prefix,
-                                  cascade=args.cascade,
+                                  cascade=args.cascade, http_workers=args.http_workers,
                                   tokenizer=args.tokenizer if args.command == "router" else None)
+            if _needs_local_redis(args):
+                from deploy.local import LocalRedis
+
+                redis = LocalRedis().start()
+                running.on_stop(redis.stop)
+                ropts.redis_url = redis.url
             if args.command == "serve" and (args.workers or args.address):
                 from deploy.ray_serve import start_ray_workers
 
-                if ropts.redis_url is None:
-                    from deploy.local import LocalRedis
-
-                    redis = LocalRedis().start()
-                    running.on_stop(redis.stop)
-                    ropts.redis_url = redis.url
                 await start_ray_workers(_serve_engine_configs(args), args.workers or 1, running,
                                         address=args.address, redis_url=ropts.redis_url, key_prefix=args.key_prefix,
                                         grace_s=args.grace_period)
@@ -237,7 +241,7 @@ async def _run(args: argparse.Namespace) -> None:
             elif args.command == "serve":
                 from router.state import connect_state
 
-                registry, index = connect_state(args.redis_url, args.key_prefix)
+                registry, index = connect_state(ropts.redis_url, args.key_prefix)
                 running.on_stop(registry.aclose)
                 # The embedded workers listen on free loopback ports; clients use the router's.
                 for config in _serve_engine_configs(args):
@@ -253,6 +257,12 @@ async def _run(args: argparse.Namespace) -> None:
     finally:
         await running.stop()
     logger.info("stopped")
+
+
+def _needs_local_redis(args: argparse.Namespace) -> bool:
+    """serve without --redis-url keeps the registry and index in memory, which Ray workers and
+    other HTTP processes cannot see: it starts a redis-server of its own for them instead."""
+    return args.command == "serve" and not args.redis_url and bool(args.workers or args.http_workers > 1)
 
 
 def _serve_engine_configs(args: argparse.Namespace) -> list[EngineConfig]:
@@ -353,6 +363,17 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--workers must be >= 1")
     if args.command == "serve" and args.address and not args.redis_url:
         parser.error("--address needs --redis-url: workers on other nodes register there")
+    if args.command in ("serve", "router") and args.http_workers < 1:
+        parser.error(f"--http-workers must be >= 1, got {args.http_workers}")
+    if _needs_local_redis(args):
+        from deploy.local import redis_server_binary
+
+        try:
+            redis_server_binary()
+        except FileNotFoundError as err:
+            flag = f"--http-workers {args.http_workers}" if args.http_workers > 1 else f"--workers {args.workers}"
+            print(f"kvcascade serve: error: {flag} without --redis-url needs a local Redis: {err}", file=sys.stderr)
+            return 1
     if args.command != "router":
         try:
             for config in _serve_engine_configs(args) if args.command == "serve" else [engine_config(args)]:
@@ -369,9 +390,10 @@ def main(argv: list[str] | None = None) -> int:
                      "router and worker in one process without Redis)")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from kvcascade.launch import StartupError
+    from router.event_loop import run
 
     try:
-        asyncio.run(_run(args))
+        run(_run(args))  # on uvloop where installed: less per gRPC message and SSE event
     except KeyboardInterrupt:  # a Ctrl-C while the model is still loading
         return 130
     except StartupError as err:  # everything started so far has been stopped by then

@@ -2,8 +2,10 @@
 tests and the Ray actor can call these with the same arguments).
 
     serve   = worker(s) + router in one process, in-memory state unless --redis-url is given
+              (or a redis-server of its own, for Ray workers or --http-workers N > 1)
     worker  = one engine behind gRPC; with --redis-url it registers and publishes its cache events
-    router  = the gRPC and HTTP fronts over the workers found in Redis
+    router  = the gRPC and HTTP fronts over the workers found in Redis; with --http-workers N,
+              N-1 more processes serve HTTP on the same port (router/http_workers.py)
 """
 
 from __future__ import annotations
@@ -54,6 +56,15 @@ class RouterOptions:
     key_prefix: str = "kvc:"
     cascade: str | None = None  # a cascade file (router/cascade_config.py), re-read when it changes
     tokenizer: str | None = None  # one tokenizer for every model, instead of each worker's (--tokenizer)
+    # Processes serving HTTP on http_port (router/http_workers.py): this one and http_workers - 1
+    # children; more than one needs redis_url, where they all find the workers and the index.
+    http_workers: int = 1
+
+    def __post_init__(self) -> None:
+        if self.http_workers < 1:
+            raise ValueError(f"http_workers must be >= 1, got {self.http_workers}")
+        if self.http_workers > 1 and self.http_port is None:
+            raise ValueError("http_workers > 1 needs an http_port: the other processes serve HTTP only")
 
 
 class Running:
@@ -165,6 +176,9 @@ async def start_router(opts: RouterOptions, running: Running, *, registry=None, 
     from router.router import Router, RouterConfig
     from router.state import connect_state
 
+    if opts.http_workers > 1 and opts.redis_url is None:
+        raise StartupError(f"--http-workers {opts.http_workers} needs --redis-url: every HTTP process finds the "
+                           "workers and the prefix index there")
     if registry is None:
         registry, index = connect_state(opts.redis_url, opts.key_prefix)
         running.on_stop(registry.aclose)
@@ -188,10 +202,33 @@ async def start_router(opts: RouterOptions, running: Running, *, registry=None, 
     if opts.http_port is not None:
         from router.http_api import create_app, http_port, serve_http, stop_http
 
-        http_server, task = await serve_http(create_app(router, api_keys=opts.api_keys), opts.host, opts.http_port)
+        http_server, task = await serve_http(create_app(router, api_keys=opts.api_keys), opts.host, opts.http_port,
+                                             reuse_port=opts.http_workers > 1)
         running.on_stop(lambda: stop_http(http_server, task))
-        log.info("router HTTP (OpenAI-style) on http://%s:%d/v1", opts.host, http_port(http_server))
+        port = http_port(http_server)  # with --http-port 0, the children join the port bound here
+        if opts.http_workers > 1:
+            await _start_http_workers(opts, port, running)
+        log.info("router HTTP (OpenAI-style) on http://%s:%d/v1%s", opts.host, port,
+                 f" in {opts.http_workers} processes" if opts.http_workers > 1 else "")
     return router
+
+
+async def _start_http_workers(opts: RouterOptions, port: int, running: Running) -> None:
+    """The other ``opts.http_workers - 1`` processes on the HTTP port, logging as this one does."""
+    from router.http_workers import HttpFrontOptions, HttpWorkers
+
+    root = logging.getLogger()
+    # basicConfig's (the CLI's); one of another type (a test runner's) may not cross to a child.
+    formatter = next((h.formatter for h in root.handlers if type(h.formatter) is logging.Formatter), None)
+    workers = HttpWorkers(HttpFrontOptions(
+        host=opts.host, port=port, redis_url=opts.redis_url, key_prefix=opts.key_prefix, policy=opts.policy,
+        api_keys=tuple(opts.api_keys), cascade=opts.cascade, tokenizer=opts.tokenizer,
+        log_level=root.getEffectiveLevel(), log_formatter=formatter), opts.http_workers - 1)
+    try:
+        await workers.start()
+    except RuntimeError as err:
+        raise StartupError(f"--http-workers: {err}") from err
+    running.on_stop(workers.stop)
 
 
 async def wait_for_signal() -> None:

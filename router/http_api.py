@@ -334,12 +334,15 @@ class _Server(uvicorn.Server):
         yield
 
 
-async def serve_http(app: FastAPI, host: str, port: int) -> tuple[uvicorn.Server, asyncio.Task[None]]:
+async def serve_http(app: FastAPI, host: str, port: int, *, reuse_port: bool = False
+                     ) -> tuple[uvicorn.Server, asyncio.Task[None]]:
     """Serve ``app`` on host:port (0: a free port, see ``http_port``) in a task of this loop.
-    Returns once it accepts connections; ``stop_http`` stops it."""
+    Returns once it accepts connections; ``stop_http`` stops it. ``reuse_port``: SO_REUSEPORT, so
+    other processes (router/http_workers.py) can listen on the same port and the kernel spreads
+    connections over them; off, a port in use is an error."""
     # Bound here, so a taken port raises OSError to the caller instead of uvicorn's sys.exit.
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.create_server((host, port), family=family)
+    sock = socket.create_server((host, port), family=family, reuse_port=reuse_port)
     config = uvicorn.Config(app, host=host, port=port, log_level="warning", log_config=None, access_log=False,
                             lifespan="off", timeout_graceful_shutdown=5)
     server = _Server(config)

@@ -12,6 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
+import psutil
 import pytest
 
 from deploy.local import REPO, free_port
@@ -105,3 +106,55 @@ def test_a_tokenizer_that_is_not_there_is_refused_before_loading(capsys):
         with pytest.raises(SystemExit):
             main(argv)
         assert "no such file or folder" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_serve_with_http_workers_answers_and_leaves_no_process_behind():
+    """--http-workers 2 without --redis-url: a redis-server of its own holds the embedded worker's
+    registration and index for both HTTP processes on the port; SIGTERM stops all it started."""
+    from worker.models.loader import resolve_model
+
+    gguf = resolve_model("smollm2-135m").path
+    serve = Serve("--model", "dummy:smollm2-mini", "--tokenizer", str(gguf), "--http-workers", "2").wait_ready()
+    try:
+        started = psutil.Process(serve.proc.pid).children(recursive=True)
+        assert any("redis-server" in p.name() for p in started)
+        listening = [p for p in [psutil.Process(serve.proc.pid), *started]
+                     if any(c.status == psutil.CONN_LISTEN and c.laddr.port == serve.http_port
+                            for c in p.net_connections("tcp"))]
+        assert len(listening) == 2
+        for i in range(4):  # each on a connection of its own, wherever the kernel puts it
+            r = httpx.post(f"{serve.url}/v1/completions", json={"prompt": f"Count to {i}", "max_tokens": 5,
+                                                               "ignore_eos": True}, timeout=60)
+            assert r.status_code == 200, r.text
+            assert r.json()["usage"]["completion_tokens"] == 5
+    finally:
+        assert serve.stop() == 0
+
+    def alive(p: psutil.Process) -> bool:
+        try:
+            return p.status() != psutil.STATUS_ZOMBIE
+        except psutil.NoSuchProcess:
+            return False
+
+    time.sleep(0.5)  # orphans the kernel reparents are reaped by init
+    assert [p.pid for p in started if alive(p)] == [], "serve left processes behind"
+
+
+def test_http_workers_below_one_is_refused_naming_the_flag(capsys):
+    from kvcascade.cli import main
+
+    for argv in (["serve"], ["router", "--redis-url", "redis://x"]):
+        with pytest.raises(SystemExit) as exit:
+            main([*argv, "--http-workers", "0"])
+        assert exit.value.code == 2 and "--http-workers must be >= 1, got 0" in capsys.readouterr().err
+
+
+def test_http_workers_without_redis_server_is_one_line_before_loading(monkeypatch, tmp_path, capsys):
+    from kvcascade.cli import main
+
+    monkeypatch.setenv("PATH", str(tmp_path))  # no redis-server on it
+    assert main(["serve", "--http-workers", "2"]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1, err
+    assert "--http-workers 2 without --redis-url" in err and "redis-server is not installed" in err

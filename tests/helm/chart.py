@@ -47,7 +47,7 @@ VARIANTS: dict[str, Obj] = {
     "everything": {
         "workers": {**_MODEL_VOLUME, "tp": 4, "kuberay": {"enabled": True}, "heartbeatTtl": 10,
                     "nodeSelector": {"nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3"}},
-        "router": {"autoscaling": {"enabled": False}, "policy": "least_load",
+        "router": {"autoscaling": {"enabled": False}, "policy": "least_load", "httpWorkers": 4,
                    "apiKeys": {"enabled": True, "existingSecret": "demo-api-keys"}},
         "redis": _EXTERNAL_REDIS,
         "serviceMonitor": {"enabled": True},

@@ -59,6 +59,9 @@ def test_router_flags_are_the_clis(rendered):
     ports = {p["name"]: p["containerPort"] for p in c["ports"]}
     assert (args.host, args.port, args.http_port) == ("0.0.0.0", ports["grpc"], ports["http"])
     assert args.policy == (rendered.values["router"]["policy"] or "prefix_aware")
+    # One process is the CLI's default: the flag is passed only for more.
+    assert args.http_workers == rendered.values["router"]["httpWorkers"]
+    assert ("--http-workers" in c["args"]) == (rendered.values["router"]["httpWorkers"] > 1)
     cascade = rendered.values["cascade"]
     assert unknown == []
     assert args.cascade == (f"{cascade['mountPath']}/cascade.yaml" if cascade["enabled"] else None)

@@ -29,6 +29,7 @@ def test_variants_pass_the_schema(variant):
     ({"worker": {"replicas": 1}}, "at '': additional properties 'worker' not allowed"),
     ({"router": {"policy": "fastest"}}, "at '/router/policy': value must be one of"),
     ({"router": {"grpcPort": 70000}}, "at '/router/grpcPort'"),
+    ({"router": {"httpWorkers": 0}}, "at '/router/httpWorkers'"),
     ({"router": {"autoscaling": {"targetCPUUtilizationPercentage": 150}}}, "targetCPUUtilizationPercentage"),
     ({"router": {"apiKeys": {"keys": ["a,b"]}}}, "at '/router/apiKeys/keys/0'"),
     ({"redis": {"external": {"url": "http://redis:6379"}}}, "at '/redis/external/url'"),

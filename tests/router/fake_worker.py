@@ -1,7 +1,8 @@
 """A worker without a model, for tests of how the router relays streams: the KVCascade Generate
 service answering every request with ``max_tokens`` made-up tokens (ids 0, 1, 2 ..., each with
-its own text), one message per token, as fast as it can or every ``interval_s``. It runs on a
-loop thread of its own, as a worker process would, and counts the calls it saw cancelled."""
+its own text), one message per token, as fast as it can or every ``interval_s``, or held after the
+first token while its ``gate`` is cleared. It runs on a loop thread of its own, as a worker process
+would, and counts the calls it saw cancelled."""
 
 from __future__ import annotations
 
@@ -27,6 +28,9 @@ class FakeWorkerServicer(pb_grpc.KVCascadeServicer):
         self.calls = 0
         self.cancelled = 0
         self.any_cancelled = threading.Event()
+        # Cleared, every stream waits after its first token until it is set: streams held open.
+        self.gate = threading.Event()
+        self.gate.set()
 
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> None:
         self.calls += 1
@@ -35,6 +39,8 @@ class FakeWorkerServicer(pb_grpc.KVCascadeServicer):
             for i in range(n - 1):
                 await context.write(pb.GenerateResponse(request_id=request.request_id, token_ids=[i],
                                                         text=token_text(i, self.pad)))
+                while not self.gate.is_set():
+                    await asyncio.sleep(0.01)
                 if self.interval_s:
                     await asyncio.sleep(self.interval_s)
             await context.write(pb.GenerateResponse(
