@@ -8,14 +8,18 @@ path (token ids offline, text over gRPC and HTTP) runs the same token ids. Each 
 closed loop of 256 (everything at once) and, with --poisson, Poisson arrivals at fractions of
 the offline run's request rate (the same arrival times for every path):
 
-    offline       the engine in this process (LLMEngine.step), requests added at their arrival
+    offline       the engine in a process of its own (LLMEngine.step), requests added at their arrival
     worker        `kvcascade worker`: gRPC straight to the worker (front end + engine core process)
     serve         `kvcascade serve`: gRPC through the router, then HTTP through the router
     split         `kvcascade worker` + `kvcascade router` as separate processes over Redis (--redis-server)
 
 Clients are the load-test harness's (loadtest/clients.py), spread over --processes processes so
 the load generator is not the limit. Per target: output tok/s over the window from the first send
-to the last token, TTFT and TPOT p50/p90/p99. Servers start one after another (each has the GPU).
+to the last token, TTFT and TPOT p50/p90/p99; over gRPC also the worker's own TTFT (its arrival to its
+first token: the rest of the client's is the way there and back); the cores each server process used
+(CPU seconds over the window: a front end near 1.0 is saturated); with --py-spy, a py-spy record of
+each server process in the closed runs. Servers start one after another (each has the GPU). split
+first measures the router's overhead at low load (--overhead: one request at a time, 8 tokens).
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ import json
 import multiprocessing as mp
 import os
 import random
+import re
 import socket
 import subprocess
 import sys
@@ -105,6 +110,10 @@ def summarize(recs: list[dict]) -> dict:
     for name, vals in (("ttft", ttft), ("tpot", tpot)):
         for q in (50, 90, 99):
             res[f"{name}_p{q}_ms"] = None if not vals else 1e3 * pct(vals, q)
+    # gRPC: the worker's own TTFT (its arrival to its first token); the rest of the client's is the way there and back
+    if server := [r["server_ttft"] for r in ok if r.get("server_ttft")]:
+        for q in (50, 90):
+            res[f"server_ttft_p{q}_ms"] = 1e3 * pct(server, q)
     errors = [r["error"] for r in recs if not r["ok"]]
     if errors:
         res["errors"] = errors[:5]
@@ -124,6 +133,12 @@ def arrivals(n: int, rate: float | None, seed: int = 1) -> list[float]:
 
 
 # --- offline ----------------------------------------------------------------------------------------
+
+
+def _offline_proc(tokenizer_dir: str, work, loads, engine_kw: dict, q) -> None:
+    from transformers import AutoTokenizer
+
+    q.put(run_offline(work, loads, engine_kw, AutoTokenizer.from_pretrained(tokenizer_dir)))
 
 
 def run_offline(work, loads: list[float | None], engine_kw: dict, tokenizer) -> dict:
@@ -197,7 +212,7 @@ def _client_proc(target: str, protocol: str, items: list, t0_wall: float, q) -> 
             req = Request(session=i, turn=0, messages=[{"role": "system", "content": text}], max_tokens=max_tokens)
             await client.send(req, rec)
             out.append({"start": start, "ttft": rec.ttft_s, "e2e": rec.e2e_s, "tokens": rec.output_tokens,
-                        "ok": rec.ok, "error": rec.error})
+                        "ok": rec.ok, "error": rec.error, "server_ttft": rec.server_ttft_s})
 
         await asyncio.gather(*(one(*it) for it in items))
         await client.aclose()
@@ -206,7 +221,57 @@ def _client_proc(target: str, protocol: str, items: list, t0_wall: float, q) -> 
     q.put(asyncio.run(main()))
 
 
-def drive(target: str, protocol: str, work, when: list[float], processes: int) -> dict:
+TICK = os.sysconf("SC_CLK_TCK")
+
+
+def process_tree(pid: int) -> dict[int, str]:
+    """``pid`` and its descendants: pid -> a short name (its command's first words)."""
+    children: dict[int, list[int]] = {}
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                ppid = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError):
+                continue
+            children.setdefault(ppid, []).append(int(d.name))
+    out, todo = {}, [pid]
+    while todo:
+        p = todo.pop()
+        try:
+            cmd = Path(f"/proc/{p}/cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        words = [w.decode() for w in cmd if w and w[:1] not in b"-{" and b"/" not in w and not w.isdigit()][:3]
+        out[p] = " ".join(words) or str(p)
+        todo.extend(children.get(p, []))
+    return out
+
+
+def cpu_s(pid: int) -> float:
+    """CPU seconds (user + system, every thread) the process has used so far; 0 once it is gone."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / TICK
+
+
+def drive(target: str, protocol: str, work, when: list[float], processes: int, server_pids: tuple[int, ...] = (),
+          profile: tuple[Path, float] | None = None) -> dict:
+    """Send ``work`` at ``when``; with ``server_pids``, also the cores each server process (and its
+    children) used over the run (CPU seconds / window), and with ``profile`` (folder, seconds) a py-spy
+    record of each."""
+    tree = {p: name for pid in server_pids for p, name in process_tree(pid).items()}
+    before = {p: cpu_s(p) for p in tree}
+    spies = []
+    if profile is not None:
+        folder, seconds = profile
+        for p, name in tree.items():
+            out = folder / f"pyspy_{re.sub(r'[^A-Za-z0-9]+', '_', name)}_{p}.txt"
+            spies.append(subprocess.Popen(
+                ["py-spy", "record", "--pid", str(p), "--duration", str(int(seconds)), "--rate", "100", "--format",
+                 "raw", "--nonblocking", "--threads", "-o", str(out)], stdout=open(out.with_suffix(".log"), "w"),
+                stderr=subprocess.STDOUT))
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     t0 = time.time() + 3.0  # every process imported and connected by then
@@ -218,7 +283,13 @@ def drive(target: str, protocol: str, work, when: list[float], processes: int) -
     recs = [r for _ in procs for r in q.get()]
     for p in procs:
         p.join()
-    return summarize(recs)
+    res = summarize(recs)
+    if tree:
+        res["server_cores"] = {f"{name} ({p})": round((cpu_s(p) - before[p]) / res["window_s"], 3)
+                               for p, name in tree.items()}
+    for spy in spies:
+        spy.wait()
+    return res
 
 
 def free_port() -> int:
@@ -260,8 +331,57 @@ def stop(proc: subprocess.Popen) -> None:
         proc.wait()
 
 
-def run_targets(name: str, targets: list[tuple[str, str, str]], work, loads, rate, processes, tokenizer) -> dict:
-    """Every run's prompts are salted anew: the same requests, none found in the cache (salted)."""
+def router_overhead(worker: str, router_grpc: str, router_http: str, work, n: int, tokenizer) -> dict:
+    """TTFT of one request at a time (8 output tokens, prompts of workload (b), salted anew), straight to the
+    worker over gRPC, then through the router over gRPC and HTTP: p50/p90 of each and of the differences
+    to the straight TTFT of the same prompt position (the router adds its hop, tokenizing and routing)."""
+    res = {}
+    for i, (label, protocol, address) in enumerate([("grpc_worker", "grpc", worker), ("grpc_router", "grpc", router_grpc),
+                                                     ("http_router", "http", router_http)]):
+        items = [(text, 8) for text, _, _ in salted(work[:n], tokenizer, 40 + i)]
+        res[label] = _sequential(address, protocol, items)
+    base = res["grpc_worker"]
+    out = {}
+    for label, ttfts in res.items():
+        out[f"{label}_ttft_p50_ms"] = 1e3 * pct(ttfts, 50)
+        out[f"{label}_ttft_p90_ms"] = 1e3 * pct(ttfts, 90)
+        if label != "grpc_worker":
+            diffs = [a - b for a, b in zip(ttfts, base)]
+            out[f"{label}_minus_worker_p50_ms"] = 1e3 * pct(diffs, 50)
+            out[f"{label}_p50_minus_worker_p50_ms"] = 1e3 * (pct(ttfts, 50) - pct(base, 50))
+    return out
+
+
+def _sequential(address: str, protocol: str, items: list[tuple[str, int]]) -> list[float]:
+    """Client TTFTs (s) of ``items`` sent one after another, after 5 unmeasured ones."""
+    from loadtest.clients import GrpcClient, HttpClient
+    from loadtest.metrics import RequestRecord
+    from loadtest.scenario import scenario_from_dict
+    from loadtest.workload import Request
+
+    scenario = scenario_from_dict({"name": "overhead", "api": "completion", "max_requests": len(items) + 5,
+                                   "max_duration_s": 900, "sampling": {"temperature": 0, "ignore_eos": True}})
+
+    async def main() -> list[float]:
+        client = GrpcClient(address, scenario) if protocol == "grpc" else HttpClient(address, scenario)
+        out = []
+        for i, (text, max_tokens) in enumerate([*items[:5], *items]):
+            rec = RequestRecord(index=i, session=i, turn=0, tag="", start_s=0.0)
+            await client.send(Request(session=i, turn=0, messages=[{"role": "system", "content": text}],
+                                      max_tokens=max_tokens), rec)
+            assert rec.ok, rec.error
+            if i >= 5:
+                out.append(rec.ttft_s)
+        await client.aclose()
+        return out
+
+    return asyncio.run(main())
+
+
+def run_targets(name: str, targets: list[tuple[str, str, str]], work, loads, rate, processes, tokenizer,
+                server_pids: tuple[int, ...] = (), profile: tuple[Path, float] | None = None) -> dict:
+    """Every run's prompts are salted anew: the same requests, none found in the cache (salted).
+    ``profile``: py-spy records the server's processes during each closed run."""
     res = {}
     salt = 0
     for label, protocol, address in targets:
@@ -271,7 +391,10 @@ def run_targets(name: str, targets: list[tuple[str, str, str]], work, loads, rat
             salt += 1
             when = arrivals(len(work), None if load is None else load * rate)
             key = f"{label}_{'closed' if load is None else f'poisson_{load:g}'}"
-            res[key] = drive(address, protocol, salted(work, tokenizer, salt), when, processes)
+            spy = None if profile is None or load is not None else (profile[0] / label, profile[1])
+            if spy is not None:
+                spy[0].mkdir(parents=True, exist_ok=True)
+            res[key] = drive(address, protocol, salted(work, tokenizer, salt), when, processes, server_pids, spy)
             print(f"{name} {key}: {json.dumps(res[key])}", flush=True)
     return res
 
@@ -292,7 +415,13 @@ def main() -> None:
     ap.add_argument("--engine", action="append", default=[], metavar="KEY=VALUE",
                     help="override an engine setting (a CPU smoke run: model=dummy:smollm2-mini device=cpu ...)")
     ap.add_argument("--logs", type=Path, default=Path("/tmp"))
+    ap.add_argument("--py-spy", type=float, metavar="SECONDS",
+                    help="py-spy records every server process for this long in each closed run (into --logs)")
+    ap.add_argument("--overhead", type=int, default=50, metavar="N",
+                    help="split: N requests one at a time (8 output tokens), straight to the worker and through "
+                         "the router, for the router's TTFT overhead (0: skip)")
     args = ap.parse_args()
+    profile = None if args.py_spy is None else (args.logs, args.py_spy)
 
     from transformers import AutoTokenizer
 
@@ -308,16 +437,14 @@ def main() -> None:
           f"{res['output_tokens']} output tokens", flush=True)
     closed_and_poisson = [None, *args.poisson]
     rate = args.rate
-    if "offline" in args.parts:
-        res["offline"] = run_offline(work, closed_and_poisson, engine_kw, tok)
+    if "offline" in args.parts:  # in a process of its own, which gives the GPU back whole when it ends
+        ctx = mp.get_context("spawn")
+        q = ctx.Queue()
+        proc = ctx.Process(target=_offline_proc, args=(args.tokenizer, work, closed_and_poisson, engine_kw, q))
+        proc.start()
+        res["offline"] = q.get()
+        proc.join()
         rate = res["offline"]["offline_rate_req_s"]
-        import gc
-
-        import torch
-
-        gc.collect()
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
     loads = [None, *args.poisson] if rate else [None]
     flags = [*server_flags(engine_kw), "--tokenizer", args.tokenizer]
     if "worker" in args.parts:
@@ -325,7 +452,7 @@ def main() -> None:
         proc = start(["worker", "--port", str(port), *flags], args.logs / "worker.log", port)
         try:
             res["worker"] = run_targets("worker", [("grpc_worker", "grpc", f"127.0.0.1:{port}")], work, loads, rate,
-                                        args.processes, tok)
+                                        args.processes, tok, (proc.pid,), profile)
         finally:
             stop(proc)
     if "serve" in args.parts:
@@ -334,7 +461,7 @@ def main() -> None:
         targets = [("grpc_router", "grpc", f"127.0.0.1:{port}"), ("http_router", "http", f"http://127.0.0.1:{http}")]
         try:
             res["serve"] = run_targets("serve", targets[1:] if args.http_only else targets, work, loads, rate,
-                                       args.processes, tok)
+                                       args.processes, tok, (proc.pid,), profile)
         finally:
             stop(proc)
     if "split" in args.parts:
@@ -348,8 +475,12 @@ def main() -> None:
                        args.logs / "split-router.log", http)
         try:
             time.sleep(2)
+            if args.overhead:
+                res["router_overhead"] = router_overhead(f"127.0.0.1:{wport}", f"127.0.0.1:{port}",
+                                                         f"http://127.0.0.1:{http}", work, args.overhead, tok)
+                print(f"router overhead: {json.dumps(res['router_overhead'])}", flush=True)
             res["split"] = run_targets("split", [("http_split", "http", f"http://127.0.0.1:{http}")], work, loads,
-                                       rate, args.processes, tok)
+                                       rate, args.processes, tok, (router.pid, worker.pid), profile)
         finally:
             stop(router)
             stop(worker)

@@ -133,6 +133,7 @@ class GrpcClient:
         rec.prompt_tokens, rec.cached_tokens = u.prompt_tokens, u.cached_tokens
         rec.output_tokens = u.completion_tokens or rec.output_tokens
         rec.worker_id = msg.worker_id or None
+        rec.server_ttft_s = msg.ttft_s or None
         tier = getattr(msg, "tier", "") if self.has_tier else ""
         if tier:  # no tier: no cascade answered, so "not escalated" would say nothing
             rec.tier = tier

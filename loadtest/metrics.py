@@ -41,6 +41,7 @@ class RequestRecord:
     output_tokens: int = 0
     finish_reason: str = ""
     worker_id: str | None = None  # set by a router
+    server_ttft_s: float | None = None  # gRPC: the worker's own TTFT, from its arrival to its first token
     tier: str | None = None  # set by a cascade (absent today: reported n/a)
     escalated: bool | None = None
 
