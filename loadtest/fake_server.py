@@ -1,8 +1,9 @@
 """A server that only streams, to measure the harness rather than a server: the KVCascade
 Generate service (grpc.aio) and OpenAI-style HTTP with server-sent events, each answering every
-request with ``max_tokens`` made-up tokens as fast as it can, with no model behind them.
+request with ``max_tokens`` made-up tokens as fast as it can, with no model behind them; or,
+with ``--interval-ms X``, one message every X ms, as an engine streams one step at a time.
 
-    python -m loadtest.fake_server --port 50051 --http-port 8000 [--tokens-per-message 1]
+    python -m loadtest.fake_server --port 50051 --http-port 8000 [--tokens-per-message 1] [--interval-ms 20]
 
 Several of them may share the ports (SO_REUSEPORT): the kernel spreads the connections, so a
 fake server of N processes keeps up with a harness of N. benchmarks/loadtest_capacity.py and the
@@ -24,22 +25,50 @@ from protos import kvcascade_pb2_grpc as pb_grpc
 DEFAULT_MAX_TOKENS = 16  # a request that sets none
 
 
+class Steps:
+    """One stream's engine-step pace: ``await steps.next()`` before each message returns at once
+    the first time, then ``interval_s`` after the previous step was due (0: never waits). A step
+    the event loop made late moves the later ones, as a busy engine's would: no burst to catch up."""
+
+    def __init__(self, interval_s: float = 0.0):
+        self.interval_s = interval_s
+        self.due: float | None = None
+
+    async def next(self) -> None:
+        if not self.interval_s:
+            return
+        loop = asyncio.get_running_loop()
+        if self.due is None:
+            self.due = loop.time()
+            return
+        self.due += self.interval_s
+        delay = self.due - loop.time()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        else:
+            self.due -= delay  # late: the next step counts from now
+
+
 def _prompt_tokens(words: str) -> int:
     return len(words.split())  # about one token a word: loadtest/text.py's words
 
 
 class FakeServicer(pb_grpc.KVCascadeServicer):
-    def __init__(self, tokens_per_message: int = 1):
+    def __init__(self, tokens_per_message: int = 1, interval_s: float = 0.0):
         self.k = tokens_per_message
+        self.interval_s = interval_s
         self.chunk = pb.GenerateResponse(token_ids=[7] * self.k, text=" tok" * self.k)  # sent as is, every time
 
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> None:
         # context.write, not a generator handler: a cancelled call stops here at once.
         n = request.sampling.max_tokens if request.sampling.HasField("max_tokens") else DEFAULT_MAX_TOKENS
+        steps = Steps(self.interval_s)
         for _ in range((n - 1) // self.k):
+            await steps.next()
             await context.write(self.chunk)
         rest = n - (n - 1) // self.k * self.k
         prompt = request.text or " ".join(m.content for m in request.messages.messages)
+        await steps.next()
         await context.write(pb.GenerateResponse(
             token_ids=[7] * rest, text=" tok" * rest, finish_reason="length", worker_id="fake",
             usage=pb.Usage(prompt_tokens=_prompt_tokens(prompt), completion_tokens=n)))
@@ -54,8 +83,9 @@ def _sse(data: dict | str) -> bytes:
 class FakeHttp:
     """/v1/completions and /v1/chat/completions, streamed over keep-alive connections."""
 
-    def __init__(self, tokens_per_message: int = 1):
+    def __init__(self, tokens_per_message: int = 1, interval_s: float = 0.0):
         self.k = tokens_per_message
+        self.interval_s = interval_s
         text = " tok" * self.k
         self.chunk = {False: _sse({"choices": [{"index": 0, "text": text, "finish_reason": None}]}),
                       True: _sse({"choices": [{"index": 0, "delta": {"content": text}, "finish_reason": None}]})}
@@ -79,10 +109,14 @@ class FakeHttp:
     async def _stream(self, req: dict, chat: bool, writer: asyncio.StreamWriter) -> None:
         n = req.get("max_tokens") or DEFAULT_MAX_TOKENS
         writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n")
+        steps = Steps(self.interval_s)
         for _ in range(n // self.k):
+            await steps.next()
             writer.write(self.chunk[chat])
             await writer.drain()
         rest = n % self.k
+        if rest:  # else the finish goes with the last token's step, as a worker's does
+            await steps.next()
         piece = {"delta": {"content": " tok" * rest}} if chat else {"text": " tok" * rest}
         writer.write(_sse({"choices": [{"index": 0, **piece, "finish_reason": "length"}]}))
         prompt = " ".join(m["content"] for m in req["messages"]) if chat else req.get("prompt", "")
@@ -93,21 +127,25 @@ class FakeHttp:
 
 
 async def start(host: str = "127.0.0.1", port: int = 0, http_port: int | None = 0, tokens_per_message: int = 1,
-                ) -> tuple[grpc.aio.Server, asyncio.Server | None, int, int | None]:
+                *, interval_ms: float = 0.0) -> tuple[grpc.aio.Server, asyncio.Server | None, int, int | None]:
     """Both servers listening (port 0: a free one); returns them and their ports. ``http_port``
-    None: no HTTP server."""
+    None: no HTTP server. ``interval_ms``: the pause between one stream's messages (0: none)."""
+    if interval_ms < 0:
+        raise ValueError(f"interval_ms must be >= 0, got {interval_ms}")
     server = grpc.aio.server(options=[("grpc.so_reuseport", 1)])
-    pb_grpc.add_KVCascadeServicer_to_server(FakeServicer(tokens_per_message), server)
+    pb_grpc.add_KVCascadeServicer_to_server(FakeServicer(tokens_per_message, interval_ms / 1000), server)
     port = server.add_insecure_port(f"{host}:{port}")
     await server.start()
     if http_port is None:
         return server, None, port, None
-    http = await asyncio.start_server(FakeHttp(tokens_per_message).connection, host, http_port, reuse_port=True)
+    http = await asyncio.start_server(FakeHttp(tokens_per_message, interval_ms / 1000).connection, host, http_port,
+                                      reuse_port=True)
     return server, http, port, http.sockets[0].getsockname()[1]
 
 
 async def _serve(args: argparse.Namespace) -> None:
-    server, http, port, http_port = await start(args.host, args.port, args.http_port, args.tokens_per_message)
+    server, http, port, http_port = await start(args.host, args.port, args.http_port, args.tokens_per_message,
+                                                interval_ms=args.interval_ms)
     print(f"fake server: grpc {args.host}:{port}, http {args.host}:{http_port}", flush=True)
     await server.wait_for_termination()
 
@@ -120,6 +158,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tokens-per-message", type=int, default=1,
                         help="tokens per streamed message (default: %(default)s, as a server streaming each "
                              "decode step)")
+    parser.add_argument("--interval-ms", type=float, default=0.0,
+                        help="milliseconds between the messages of one stream, like an engine step (default: "
+                             "%(default)s, as fast as it can)")
     try:
         asyncio.run(_serve(parser.parse_args(argv)))
     except KeyboardInterrupt:
