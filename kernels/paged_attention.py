@@ -90,7 +90,9 @@ def _attend_tile(
     return m_new, l_i, acc
 
 
-@jit
+# The block table's width (stride_bt) follows the step's longest sequence, and a mixed step's
+# decode rows' tables and lengths are the first rows of the step's: see jit.
+@jit(do_not_specialize=("stride_bt",))
 def _decode_kernel(
     q_ptr, k_ptr, v_ptr, bt_ptr, ctx_ptr, order_ptr, out_ptr, part_o_ptr, part_lse_ptr, qk_scale,
     stride_qb, stride_qh, stride_kb, stride_kt, stride_kh, stride_bt, stride_ob, stride_oh,
@@ -222,7 +224,10 @@ def _find_sequence(qsl_ptr, tile, num_seqs, BLOCK_Q: tl.constexpr):
     return lo
 
 
-@jit
+# A mixed step's prefill rows start at row nd of the step's tables, lengths and queries: their
+# pointers' alignment and the sequence count change from step to step (see jit).
+@jit(do_not_specialize=("num_seqs", "stride_bt"),
+     do_not_specialize_on_alignment=("bt_ptr", "qsl_ptr", "ctx_ptr"))
 def _prefill_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, bt_ptr, qsl_ptr, ctx_ptr, num_seqs, qk_scale,
     stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_bt, stride_ot, stride_oh,
@@ -320,7 +325,10 @@ def default_num_splits(batch: int, num_kv_heads: int, max_context: int, device: 
     target = SPLIT_PROGRAMS_PER_SM * sm_count(device)
     if programs >= target:
         return 1
-    return max(1, min(cdiv(target, programs), cdiv(max_context, MIN_SPLIT_TOKENS), MAX_SPLITS))
+    splits = max(1, min(cdiv(target, programs), cdiv(max_context, MIN_SPLIT_TOKENS), MAX_SPLITS))
+    # A power of two (rounded down): NUM_SPLITS is a compile-time constant, and any count from 1 to
+    # MAX_SPLITS would be a kernel variant compiled on first sight, stalling a server mid-load.
+    return 1 << (splits.bit_length() - 1)
 
 
 def paged_decode_attention(
