@@ -180,8 +180,9 @@ def run_offline(work, loads: list[float | None], engine_kw: dict, tokenizer) -> 
                     r["e2e"] = now - r["start"]
         key = load if load in (None, "warm-up") else f"poisson_{load:g}"
         key = "closed" if key is None else key
+        key += f"_{sum(k.startswith(key) for k in res) + 1}" if key in res else ""  # a repeat
         res[key] = summarize(recs)
-        if load is None:
+        if key == "closed":
             rate = len(work) / res[key]["window_s"]  # requests/s the engine sustains on (b)
             res["offline_rate_req_s"] = rate
         print(f"offline {key}: {json.dumps(res[key])}", flush=True)
@@ -391,6 +392,7 @@ def run_targets(name: str, targets: list[tuple[str, str, str]], work, loads, rat
             salt += 1
             when = arrivals(len(work), None if load is None else load * rate)
             key = f"{label}_{'closed' if load is None else f'poisson_{load:g}'}"
+            key += f"_{sum(k.startswith(key) for k in res) + 1}" if key in res else ""  # a repeat
             spy = None if profile is None or load is not None else (profile[0] / label, profile[1])
             if spy is not None:
                 spy[0].mkdir(parents=True, exist_ok=True)
@@ -408,9 +410,11 @@ def main() -> None:
     ap.add_argument("--rate", type=float, help="offline request rate (req/s) when --parts has no offline")
     ap.add_argument("--processes", type=int, default=4, help="load-generator processes")
     ap.add_argument("--http-only", action="store_true", help="serve: HTTP through the router only")
+    ap.add_argument("--serve-args", default="", help="serve: extra flags (e.g. '--http-workers 4'), named in the labels")
     ap.add_argument("--redis-server", default="redis-server", help="split: the redis-server binary")
     ap.add_argument("--out", type=Path, default=Path("served.json"))
     ap.add_argument("--requests", type=int, default=256)
+    ap.add_argument("--repeat", type=int, default=1, help="closed runs per target (the spread between runs)")
     ap.add_argument("--scale", type=float, default=1.0, help="lengths x this (a CPU smoke run: 0.02)")
     ap.add_argument("--engine", action="append", default=[], metavar="KEY=VALUE",
                     help="override an engine setting (a CPU smoke run: model=dummy:smollm2-mini device=cpu ...)")
@@ -435,7 +439,7 @@ def main() -> None:
            "output_tokens": sum(o for _, _, o in work)}
     print(f"workload: {len(work)} requests, mean prompt {res['mean_prompt_tokens']:.0f} tokens, "
           f"{res['output_tokens']} output tokens", flush=True)
-    closed_and_poisson = [None, *args.poisson]
+    closed_and_poisson = [None] * args.repeat + list(args.poisson)
     rate = args.rate
     if "offline" in args.parts:  # in a process of its own, which gives the GPU back whole when it ends
         ctx = mp.get_context("spawn")
@@ -445,7 +449,7 @@ def main() -> None:
         res["offline"] = q.get()
         proc.join()
         rate = res["offline"]["offline_rate_req_s"]
-    loads = [None, *args.poisson] if rate else [None]
+    loads = closed_and_poisson if rate else [None] * args.repeat
     flags = [*server_flags(engine_kw), "--tokenizer", args.tokenizer]
     if "worker" in args.parts:
         port = free_port()
@@ -457,8 +461,12 @@ def main() -> None:
             stop(proc)
     if "serve" in args.parts:
         port, http = free_port(), free_port()
-        proc = start(["serve", "--port", str(port), "--http-port", str(http), *flags], args.logs / "serve.log", http)
-        targets = [("grpc_router", "grpc", f"127.0.0.1:{port}"), ("http_router", "http", f"http://127.0.0.1:{http}")]
+        extra = args.serve_args.split()
+        proc = start(["serve", "--port", str(port), "--http-port", str(http), *flags, *extra], args.logs / "serve.log",
+                     http)
+        tag = re.sub(r"[^A-Za-z0-9]+", "_", args.serve_args).strip("_")
+        targets = [(f"grpc_router{'_' + tag if tag else ''}", "grpc", f"127.0.0.1:{port}"),
+                   (f"http_router{'_' + tag if tag else ''}", "http", f"http://127.0.0.1:{http}")]
         try:
             res["serve"] = run_targets("serve", targets[1:] if args.http_only else targets, work, loads, rate,
                                        args.processes, tok, (proc.pid,), profile)
