@@ -192,6 +192,7 @@ async def start_router(opts: RouterOptions, running: Running, *, registry=None, 
         log.info("cascade from %s: tiers %s, mode %s", opts.cascade,
                  [f"{t.name}={t.model}" for t in cascade.config.tiers], cascade.config.mode)
     router = Router(registry, index, RouterConfig(policy=opts.policy, tokenizer=opts.tokenizer), cascade=cascade)
+    await router.load_tokenizers()  # before the fronts open: no first request waits for one
     running.on_stop(router.close)
     sweeper = asyncio.create_task(router.run_sweeper(), name="index-sweeper")
     running.on_stop(sweeper.cancel)

@@ -209,6 +209,8 @@ async def _serve(opts: HttpFrontOptions, slot: int, ready: Connection) -> None:
             cascade = CascadeFile(opts.cascade)
             watcher = asyncio.create_task(cascade.watch(), name="cascade-watcher")
         router = Router(registry, index, RouterConfig(policy=opts.policy, tokenizer=opts.tokenizer), cascade=cascade)
+        # Before it binds: the kernel sends no connection here while the tokenizers load.
+        await router.load_tokenizers()
         server, task = await serve_http(create_app(router, api_keys=opts.api_keys), opts.host, opts.port,
                                         reuse_port=True)
     except Exception as err:

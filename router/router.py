@@ -70,6 +70,9 @@ class Tokenizers:
                     self._by_source[key] = await asyncio.to_thread(_load_tokenizer, *key)
         return self._by_source[key]
 
+    def __len__(self) -> int:
+        return len(self._by_source)
+
     async def of(self, worker) -> object:
         """The tokenizer for a registered worker's prompts."""
         return await self.get(worker.model_source or worker.model, worker.tokenizer)
@@ -331,6 +334,17 @@ class Router:
         if last_error is not None:
             raise last_error
         raise RouterError(grpc.StatusCode.UNAVAILABLE, "no worker is live")
+
+    async def load_tokenizers(self) -> int:
+        """Load the tokenizers of the workers registered now (a router, or one of its HTTP front
+        processes, started while workers are up), so the first requests do not wait seconds for
+        them; returns how many are loaded. One that fails is left to its first request to report."""
+        for worker in await self.live_workers():
+            try:
+                await self.tokenizers.of(worker)
+            except Exception as exc:
+                log.warning("tokenizer of worker %s (%s) not loaded: %r", worker.worker_id, worker.model, exc)
+        return len(self.tokenizers)
 
     async def close(self) -> None:
         await self.clients.close()
