@@ -242,7 +242,10 @@ def process_tree(pid: int) -> dict[int, str]:
             cmd = Path(f"/proc/{p}/cmdline").read_bytes().split(b"\0")
         except OSError:
             continue
-        words = [w.decode() for w in cmd if w and w[:1] not in b"-{" and b"/" not in w and not w.isdigit()][:3]
+        if b"from multiprocessing" in b" ".join(cmd):  # a spawned child: an HTTP front, Ray's or the tracker
+            words = ["spawned child"]
+        else:
+            words = [w.decode() for w in cmd if w and w[:1] not in b"-{" and b"/" not in w and not w.isdigit()][:3]
         out[p] = " ".join(words) or str(p)
         todo.extend(children.get(p, []))
     return out
@@ -386,7 +389,9 @@ def run_targets(name: str, targets: list[tuple[str, str, str]], work, loads, rat
     res = {}
     salt = 0
     for label, protocol, address in targets:
-        # A discarded closed run first: the server compiles what it first sees, as the offline run did.
+        # A discarded closed run first: the server compiles what it first sees, as the offline run did
+        # (with a salt of its own: a second target's warm-up must not find the first's last run cached).
+        salt += 1
         res[f"{label}_warm-up"] = drive(address, protocol, salted(work, tokenizer, salt), [0.0] * len(work), processes)
         for load in loads:
             salt += 1
