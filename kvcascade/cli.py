@@ -243,12 +243,14 @@ async def _run(args: argparse.Namespace) -> None:
 
                 registry, index = connect_state(ropts.redis_url, args.key_prefix)
                 running.on_stop(registry.aclose)
-                # The embedded workers listen on free loopback ports; clients use the router's.
-                for config in _serve_engine_configs(args):
-                    await start_worker(config, WorkerOptions(host="127.0.0.1", port=0, grace_s=args.grace_period,
-                                                                     exit_on_failure=True),
-                                       running, registry=registry, index=index)
-                await start_router(ropts, running, registry=registry, index=index, grace_s=args.grace_period)
+                # The embedded workers listen on free loopback ports; clients use the router's, and
+                # the router in this process calls them directly.
+                servers = [await start_worker(config, WorkerOptions(host="127.0.0.1", port=0, grace_s=args.grace_period,
+                                                                    exit_on_failure=True),
+                                              running, registry=registry, index=index)
+                           for config in _serve_engine_configs(args)]
+                await start_router(ropts, running, registry=registry, index=index, grace_s=args.grace_period,
+                                   local_workers=servers)
             else:
                 await start_router(ropts, running, grace_s=args.grace_period)
         logger.info("kvcascade %s ready", args.command)

@@ -170,8 +170,10 @@ class Watchdog:
                 os._exit(70)
 
 
-async def start_router(opts: RouterOptions, running: Running, *, registry=None, index=None, grace_s: float = 5.0):
-    """Start the router's gRPC (and HTTP) fronts. Returns the Router."""
+async def start_router(opts: RouterOptions, running: Running, *, registry=None, index=None, grace_s: float = 5.0,
+                       local_workers: Collection = ()):
+    """Start the router's gRPC (and HTTP) fronts. Returns the Router. ``local_workers``: WorkerServers
+    of this process (serve's embedded workers), which the router calls directly, not over loopback."""
     from router.grpc_api import RouterServer
     from router.router import Router, RouterConfig
     from router.state import connect_state
@@ -192,6 +194,12 @@ async def start_router(opts: RouterOptions, running: Running, *, registry=None, 
         log.info("cascade from %s: tiers %s, mode %s", opts.cascade,
                  [f"{t.name}={t.model}" for t in cascade.config.tiers], cascade.config.mode)
     router = Router(registry, index, RouterConfig(policy=opts.policy, tokenizer=opts.tokenizer), cascade=cascade)
+    if local_workers:
+        from worker.server import InProcessStub
+
+        for server in local_workers:
+            router.clients.add_local(server.address, InProcessStub(server.servicer))
+            log.info("router calls worker %s in-process (no loopback gRPC)", server.address)
     await router.load_tokenizers()  # before the fronts open: no first request waits for one
     running.on_stop(router.close)
     sweeper = asyncio.create_task(router.run_sweeper(), name="index-sweeper")

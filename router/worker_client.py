@@ -1,6 +1,9 @@
-"""gRPC channels to workers, one per address, reused across requests."""
+"""gRPC channels to workers, one per address, reused across requests; and the workers of this very
+process (`kvcascade serve`'s embedded ones), reached through an in-process stub instead."""
 
 from __future__ import annotations
+
+from typing import Any
 
 import grpc
 
@@ -19,8 +22,16 @@ class WorkerClients:
     def __init__(self) -> None:
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._stubs: dict[str, pb_grpc.KVCascadeStub] = {}
+        self._local: dict[str, Any] = {}
+
+    def add_local(self, address: str, stub: Any) -> None:
+        """Reach the worker registered at ``address`` through ``stub`` (its Generate as grpc.aio's:
+        worker.server.InProcessStub), not over the network: it lives in this process."""
+        self._local[address] = stub
 
     def stub(self, address: str) -> pb_grpc.KVCascadeStub:
+        if (local := self._local.get(address)) is not None:
+            return local
         stub = self._stubs.get(address)
         if stub is None:
             channel = grpc.aio.insecure_channel(address, options=_CHANNEL_OPTIONS)

@@ -6,8 +6,11 @@ engine errors -> gRPC status codes. It holds no request state of its own; the en
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 import uuid
+from collections.abc import AsyncIterator
 from typing import Any
 
 import grpc
@@ -23,7 +26,7 @@ from worker.engine.sampling_params import SamplingParams
 logger = logging.getLogger(__name__)
 
 _SAMPLING_FIELDS = frozenset(pb.SamplingParams.DESCRIPTOR.fields_by_name)
-__all__ = ["SERVICE_NAME", "WorkerServer", "WorkerServicer", "serve"]
+__all__ = ["SERVICE_NAME", "InProcessStub", "WorkerServer", "WorkerServicer", "serve"]
 
 
 # --- proto <-> engine translation -------------------------------------------------------------
@@ -104,16 +107,21 @@ class WorkerServicer(pb_grpc.KVCascadeServicer):
 
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> None:
         # A coroutine handler writing with context.write (rather than an async generator handler)
-        # so that a cancelled call raises CancelledError *here*, and the finally below closes the
-        # engine stream at once instead of whenever the abandoned generator is garbage collected.
+        # so that a cancelled call raises CancelledError *here*, and closing the responses below
+        # closes the engine stream at once instead of whenever it is garbage collected.
         try:
-            await self._stream(request, context)
+            async with contextlib.aclosing(self.responses(request)) as responses:
+                async for msg in responses:
+                    await context.write(msg)
         except Exception as exc:
             code, details = _status_for(exc)
             if not context.done():
                 await context.abort(code, details)
 
-    async def _stream(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> None:
+    async def responses(self, request: pb.GenerateRequest) -> AsyncIterator[pb.GenerateResponse]:
+        """A Generate call's messages; a bad request raises the engine's error (``_status_for``
+        says its gRPC status). Closing it early aborts the request in the engine and frees its
+        KV blocks."""
         if request.model and request.model != self._engine.model_id:
             raise InvalidRequestError("model", f"this server serves {self._engine.model_id!r}, not {request.model!r}")
         outputs = self._engine.generate(
@@ -121,13 +129,9 @@ class WorkerServicer(pb_grpc.KVCascadeServicer):
             **_prompt_kwargs(request),
             params=_sampling_params(request.sampling),
         )
-        try:
+        async with contextlib.aclosing(outputs):
             async for out in outputs:
-                await context.write(_response(out))
-        finally:
-            # On client cancellation or a passed deadline the handler task is cancelled; closing
-            # the stream aborts the request in the engine and frees its KV blocks.
-            await outputs.aclose()
+                yield _response(out)
 
     async def Stats(self, request: pb.StatsRequest, context: grpc.aio.ServicerContext) -> pb.StatsResponse:
         stats = self._engine.stats()
@@ -161,3 +165,65 @@ async def serve(engine: AsyncEngine, host: str = "127.0.0.1", port: int = 50051)
     server = WorkerServer(engine, host, port)
     await server.start()
     return server
+
+
+# --- the same service without the network ----------------------------------------------------
+
+
+class InProcessStub:
+    """A KVCascade stub for a worker in the caller's process (`kvcascade serve`'s router and its
+    embedded workers): Generate calls the servicer directly instead of over loopback gRPC, which
+    costs a server write, HTTP/2 framing and a client read per message per request in the one
+    process that also runs the router's fronts. The call behaves as grpc.aio's does where the
+    router looks: messages by ``async for``, ``cancel()``, a deadline from ``timeout``, and a failed
+    request as ``grpc.aio.AioRpcError`` with the status the gRPC server would have sent."""
+
+    def __init__(self, servicer: WorkerServicer):
+        self.servicer = servicer
+
+    def Generate(self, request: pb.GenerateRequest, timeout: float | None = None, **_: Any) -> InProcessCall:
+        return InProcessCall(self.servicer.responses(request), timeout)
+
+
+class InProcessCall:
+    def __init__(self, responses: AsyncIterator[pb.GenerateResponse], timeout: float | None):
+        self._responses = responses
+        self._deadline = None if timeout is None else asyncio.get_running_loop().time() + timeout
+        self._messages_iter: AsyncIterator[pb.GenerateResponse] | None = None
+        self._closing: asyncio.Task | None = None
+
+    def __aiter__(self) -> AsyncIterator[pb.GenerateResponse]:
+        if self._messages_iter is None:
+            self._messages_iter = self._messages()
+        return self._messages_iter
+
+    async def _messages(self) -> AsyncIterator[pb.GenerateResponse]:
+        try:
+            while True:
+                try:
+                    async with asyncio.timeout_at(self._deadline):
+                        msg = await anext(self._responses)
+                except StopAsyncIteration:
+                    return
+                except TimeoutError:
+                    raise _rpc_error(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded") from None
+                except Exception as exc:
+                    raise _rpc_error(*_status_for(exc)) from None
+                yield msg
+        finally:
+            await self._responses.aclose()
+
+    def cancel(self) -> bool:
+        """Like a gRPC call's: ends the request (the engine frees its blocks) unless it is over.
+        Closing runs as a task of its own, since a caller that stops reading holds no await."""
+        if self._closing is None:
+            self._closing = asyncio.get_running_loop().create_task(self._close())
+        return True
+
+    async def _close(self) -> None:
+        with contextlib.suppress(RuntimeError):  # still being read: the reader's own end closes it
+            await (self._messages_iter or self._responses).aclose()
+
+
+def _rpc_error(code: grpc.StatusCode, details: str) -> grpc.aio.AioRpcError:
+    return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details)

@@ -158,3 +158,49 @@ def test_http_workers_without_redis_server_is_one_line_before_loading(monkeypatc
     err = capsys.readouterr().err
     assert err.count("\n") == 1, err
     assert "--http-workers 2 without --redis-url" in err and "redis-server is not installed" in err
+
+
+@pytest.mark.slow
+def test_serve_reaches_its_embedded_worker_in_process_with_grpc_semantics():
+    """serve's router calls its own worker directly (worker.server.InProcessStub), not over loopback
+    gRPC; what a client sees through the router is unchanged: 16 streams at once, a bad field named,
+    a deadline, and a client that leaves mid-stream freeing the worker's KV blocks."""
+    import grpc
+
+    from protos import kvcascade_pb2 as pb
+    from protos import kvcascade_pb2_grpc as pb_grpc
+
+    serve = Serve("--model", "dummy:smollm2-mini").wait_ready()
+    try:
+        assert "calls worker 127.0.0.1:" in Path(serve.log.name).read_text()
+        with grpc.insecure_channel(f"127.0.0.1:{serve.port}") as channel:
+            stub = pb_grpc.KVCascadeStub(channel)
+
+            def ids(n: int, i: int) -> pb.GenerateRequest:
+                req = pb.GenerateRequest(sampling=pb.SamplingParams(max_tokens=n, temperature=0, ignore_eos=True))
+                req.token_ids.ids[:] = [1 + i, 2, 3, 4]
+                return req
+
+            with ThreadPoolExecutor(16) as pool:
+                streams = list(pool.map(lambda i: list(stub.Generate(ids(20, i), timeout=120)), range(16)))
+            assert all(sum(len(m.token_ids) for m in s) == 20 and s[-1].finish_reason == "length" for s in streams)
+            with pytest.raises(grpc.RpcError) as err:
+                list(stub.Generate(pb.GenerateRequest(text="hi", sampling=pb.SamplingParams(top_p=0)), timeout=60))
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert err.value.details().startswith("sampling.top_p: ")
+            with pytest.raises(grpc.RpcError) as err:
+                list(stub.Generate(ids(100_000, 0), timeout=1.0))
+            assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+            call = stub.Generate(ids(100_000, 1), timeout=120)
+            next(call)
+            call.cancel()
+
+            def busy() -> pb.StatsResponse:
+                return stub.Stats(pb.StatsRequest(), timeout=10)
+
+            deadline = time.monotonic() + 15  # the router sums the workers' heartbeats
+            while (stats := busy()).running or stats.kv_blocks_used:
+                assert time.monotonic() < deadline, stats
+                time.sleep(0.2)
+    finally:
+        assert serve.stop() == 0

@@ -24,7 +24,7 @@ from worker.engine.async_engine import AsyncEngine
 from worker.engine.config import EngineConfig
 from worker.engine.llm_engine import LLMEngine
 from worker.engine.sampling_params import SamplingParams
-from worker.server import SERVICE_NAME, WorkerServer, serve
+from worker.server import SERVICE_NAME, InProcessStub, WorkerServer, serve
 
 T = TypeVar("T")
 PROMPT = "The capital of France is"
@@ -256,6 +256,75 @@ def test_deadline_aborts_and_frees_blocks(served: Served) -> None:
     with pytest.raises(grpc.RpcError) as err:
         _ = list(served.stub.Generate(pb.GenerateRequest(text=PROMPT, sampling=LONG), timeout=1.0))
     assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    _wait_until_idle(served, within_s=3)
+
+
+# --- the in-process stub (serve's router to its embedded workers) -------------------------------
+
+
+def _in_process(served: Served, request: pb.GenerateRequest, timeout: float | None = 120,
+                stop_after: int | None = None) -> list[pb.GenerateResponse]:
+    """A Generate through InProcessStub on the server's loop, read as the router reads a call."""
+
+    async def read() -> list[pb.GenerateResponse]:
+        call = InProcessStub(served.server.servicer).Generate(request, timeout=timeout)
+        out = []
+        try:
+            async for msg in call:
+                out.append(msg)
+                if stop_after is not None and len(out) == stop_after:
+                    break
+        finally:
+            call.cancel()
+        return out
+
+    return served.loop.run(read())
+
+
+def test_in_process_calls_answer_as_grpc_does(served: Served) -> None:
+    request = pb.GenerateRequest(text=PROMPT, sampling=pb.SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
+    local, remote = _in_process(served, request), _generate(served, text=PROMPT, sampling=request.sampling)
+    assert [t for m in local for t in m.token_ids] == [t for m in remote for t in m.token_ids]
+    assert "".join(m.text for m in local) == "".join(m.text for m in remote)
+    assert local[-1].finish_reason == "length" and local[-1].usage.completion_tokens == 8
+
+
+@pytest.mark.parametrize("case", [BAD_REQUESTS[k] for k in ("no prompt", "top_p 0", "unknown model")],
+                         ids=["no prompt", "top_p 0", "unknown model"])
+def test_in_process_bad_field_is_invalid_argument_naming_it(served: Served, case: tuple[Any, str]) -> None:
+    fields, path = case
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        _in_process(served, pb.GenerateRequest(**fields))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert err.value.details().startswith(f"{path}: "), err.value.details()
+
+
+def test_in_process_cancel_and_deadline_free_blocks(served: Served) -> None:
+    request = pb.GenerateRequest(text=PROMPT, sampling=LONG)
+    assert len(_in_process(served, request, stop_after=2)) == 2  # then the reader leaves and cancels
+    _wait_until_idle(served, within_s=3)
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        _in_process(served, request, timeout=0.5)
+    assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    _wait_until_idle(served, within_s=3)
+
+
+def test_16_in_process_streams_at_once(served: Served) -> None:
+    sampling = pb.SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+
+    async def one(i: int) -> list[int]:
+        call = InProcessStub(served.server.servicer).Generate(
+            pb.GenerateRequest(text=f"{PROMPT} {i}", sampling=sampling), timeout=120)
+        return [t for m in [m async for m in call] for t in m.token_ids]
+
+    async def all_at_once() -> list[list[int]]:
+        return await asyncio.gather(*(one(i) for i in range(16)))
+
+    results = served.loop.run(all_at_once())
+    assert all(len(tokens) == 12 for tokens in results)
+    for i in (0, 7):  # the same as each alone over gRPC
+        alone = _generate(served, text=f"{PROMPT} {i}", sampling=sampling)
+        assert results[i] == [t for m in alone for t in m.token_ids]
     _wait_until_idle(served, within_s=3)
 
 
