@@ -47,7 +47,8 @@ from deploy.local import LocalRedis, free_port  # noqa: E402
 from loadtest.clients import parse_target  # noqa: E402
 from loadtest.processes import run_in_processes  # noqa: E402
 from loadtest.scenario import scenario_from_dict  # noqa: E402
-from router.state import WorkerInfo, WorkerLoad, connect_state  # noqa: E402
+from contracts.state import WorkerInfo, WorkerLoad  # noqa: E402
+from contracts.stores import connect_state  # noqa: E402
 
 MODEL = "dummy:smollm2-135m"  # what the fake workers say they serve: the router resolves it without files
 SATURATED = 0.95  # of a core: a Python process this busy is at its limit

@@ -35,7 +35,7 @@ sys.path.insert(0, str(REPO))
 
 from protos import kvcascade_pb2 as pb  # noqa: E402
 from router.router import Router, RouterConfig  # noqa: E402
-from router.state import connect_state  # noqa: E402
+from contracts.stores import connect_state  # noqa: E402
 from deploy.local import WorkerProcess, free_port  # noqa: E402
 
 TOPICS = ["a hiking-gear shop's return and shipping rules", "a city library's opening hours and fees",

@@ -239,7 +239,7 @@ async def _run(args: argparse.Namespace) -> None:
                                         grace_s=args.grace_period)
                 await start_router(ropts, running, grace_s=args.grace_period)
             elif args.command == "serve":
-                from router.state import connect_state
+                from contracts.stores import connect_state
 
                 registry, index = connect_state(ropts.redis_url, args.key_prefix)
                 running.on_stop(registry.aclose)
@@ -287,7 +287,8 @@ def _check_tp(config: EngineConfig) -> None:
     if config.tensor_parallel_size == 1:
         return
     from worker.distributed.partition import check_tp
-    from worker.models.loader import load_config, resolve_model
+    from contracts.models import resolve_model
+    from worker.models.loader import load_config
 
     cfg = load_config(resolve_model(config.model))
     try:
@@ -346,7 +347,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "serve" and args.cascade and hasattr(args, "model"):
         parser.error("serve --cascade starts one worker per model the cascade file names: leave out --model")
     if args.command != "router":
-        from worker.models.loader import resolve_model
+        from contracts.models import resolve_model
 
         try:  # check the flags (and the cascade file) before loading anything
             for config in _serve_engine_configs(args) if args.command == "serve" else [engine_config(args)]:

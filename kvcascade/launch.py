@@ -90,13 +90,13 @@ async def start_worker(config: EngineConfig, opts: WorkerOptions, running: Runni
                        index=None, engine=None, ranks=None):
     """Start one worker: engine, gRPC server and, with shared state, its publisher. Returns the server.
 
-    The engine runs in an engine core process of its own (worker/engine/core.py), so its step loop
+    The engine runs in an engine core process of its own (worker/core/process.py), so its step loop
     never shares an interpreter with the servers; an ``engine`` passed in (tests, library use) is
     driven in this process instead. With ``config.tensor_parallel_size`` > 1 the core is rank 0 and
     ``ranks`` starts the others (worker/distributed/ranks.LocalRanks, child processes, by default;
     the Ray worker passes its own)."""
     from worker.engine.async_engine import AsyncEngine
-    from worker.engine.core_client import EngineCoreClient
+    from worker.core.client import EngineCoreClient
     from worker.server import WorkerServer
 
     if engine is not None:
@@ -127,7 +127,7 @@ async def start_worker(config: EngineConfig, opts: WorkerOptions, running: Runni
     await server.start()
     running.on_stop(lambda: server.stop(opts.grace_s))
     if registry is None and opts.redis_url:
-        from router.state import connect_state
+        from contracts.stores import connect_state
 
         registry, index = connect_state(opts.redis_url, opts.key_prefix)
         running.on_stop(registry.aclose)
@@ -176,7 +176,7 @@ async def start_router(opts: RouterOptions, running: Running, *, registry=None, 
     of this process (serve's embedded workers), which the router calls directly, not over loopback."""
     from router.grpc_api import RouterServer
     from router.router import Router, RouterConfig
-    from router.state import connect_state
+    from contracts.stores import connect_state
 
     if opts.http_workers > 1 and opts.redis_url is None:
         raise StartupError(f"--http-workers {opts.http_workers} needs --redis-url: every HTTP process finds the "

@@ -9,7 +9,7 @@ from collections.abc import Collection
 
 import grpc
 
-from kvcascade.grpc_server import GrpcServer
+from contracts.grpc_server import GrpcServer
 from protos import kvcascade_pb2 as pb
 from protos import kvcascade_pb2_grpc as pb_grpc
 from router.coalesce import coalesced

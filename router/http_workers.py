@@ -183,7 +183,7 @@ def _child_main(opts: HttpFrontOptions, slot: int, ready: Connection) -> None:
 async def _serve(opts: HttpFrontOptions, slot: int, ready: Connection) -> None:
     from router.http_api import create_app, serve_http, stop_http
     from router.router import Router, RouterConfig
-    from router.state import connect_state
+    from contracts.stores import connect_state
 
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()

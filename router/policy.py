@@ -22,7 +22,7 @@ import itertools
 import random
 from dataclasses import dataclass
 
-from router.state import WorkerInfo
+from contracts.state import WorkerInfo
 
 
 @dataclass

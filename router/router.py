@@ -36,7 +36,7 @@ from router.cascade_config import CascadeConfig, CascadeFile
 from router.errors import RouterError
 from router.metrics import RouterMetrics
 from router.policy import Candidate, RoutingPolicy, create_policy
-from router.state import PrefixIndex, Registry, WorkerInfo
+from contracts.state import PrefixIndex, Registry, WorkerInfo
 from router.worker_client import WorkerClients
 
 log = logging.getLogger(__name__)
@@ -79,7 +79,8 @@ class Tokenizers:
 
 
 def _load_tokenizer(source: str, tokenizer: str):
-    from worker.models.loader import load_tokenizer, resolve_model
+    from contracts.models import resolve_model
+    from contracts.tokenizers import load_tokenizer
 
     return load_tokenizer(resolve_model(source), tokenizer or None)
 

@@ -60,7 +60,7 @@ def hf_reference(smollm2, prompt_ids) -> list[list[int]]:
     """Greedy continuations from Hugging Face transformers on the same GGUF weights."""
     from transformers import AutoModelForCausalLM
 
-    from worker.models.loader import resolve_model
+    from contracts.models import resolve_model
 
     src = resolve_model("smollm2-135m")
     hf = AutoModelForCausalLM.from_pretrained(str(src.path.parent), gguf_file=src.path.name, dtype=torch.float32)

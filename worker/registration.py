@@ -14,7 +14,7 @@ import contextlib
 import logging
 import uuid
 
-from router.state import CacheEvent, PrefixIndex, Registry, WorkerInfo, WorkerLoad
+from contracts.state import CacheEvent, PrefixIndex, Registry, WorkerInfo, WorkerLoad
 
 log = logging.getLogger(__name__)
 

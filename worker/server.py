@@ -15,7 +15,7 @@ from typing import Any
 
 import grpc
 
-from kvcascade.grpc_server import SERVICE_NAME, GrpcServer
+from contracts.grpc_server import SERVICE_NAME, GrpcServer
 from protos import kvcascade_pb2 as pb
 from protos import kvcascade_pb2_grpc as pb_grpc
 from worker.engine.async_engine import AsyncEngine

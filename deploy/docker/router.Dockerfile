@@ -17,6 +17,7 @@ ENV PATH=/opt/kvcascade/bin:$PATH
 RUN pip install "torch==${TORCH_VERSION}" --index-url "${TORCH_INDEX_URL}"
 COPY pyproject.toml README.md /src/
 COPY kvcascade /src/kvcascade
+COPY contracts /src/contracts
 COPY router /src/router
 COPY worker /src/worker
 COPY protos /src/protos

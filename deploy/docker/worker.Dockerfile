@@ -22,6 +22,7 @@ RUN pip install "torch==${TORCH_VERSION}" --index-url "${TORCH_INDEX_URL}"
 RUN pip install "ray[default]==${RAY_VERSION}"
 COPY pyproject.toml README.md /src/
 COPY kvcascade /src/kvcascade
+COPY contracts /src/contracts
 COPY router /src/router
 COPY worker /src/worker
 COPY protos /src/protos

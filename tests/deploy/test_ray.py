@@ -24,7 +24,7 @@ import pytest
 from deploy.local import LocalRedis, free_port
 from protos import kvcascade_pb2 as pb
 from protos import kvcascade_pb2_grpc as pb_grpc
-from router.redis_state import RedisRegistry, redis_client
+from contracts.redis_state import RedisRegistry, redis_client
 from worker.engine.config import EngineConfig
 from worker.engine.llm_engine import LLMEngine
 from worker.engine.sampling_params import SamplingParams

@@ -112,7 +112,7 @@ def test_a_tokenizer_that_is_not_there_is_refused_before_loading(capsys):
 def test_serve_with_http_workers_answers_and_leaves_no_process_behind():
     """--http-workers 2 without --redis-url: a redis-server of its own holds the embedded worker's
     registration and index for both HTTP processes on the port; SIGTERM stops all it started."""
-    from worker.models.loader import resolve_model
+    from contracts.models import resolve_model
 
     gguf = resolve_model("smollm2-135m").path
     serve = Serve("--model", "dummy:smollm2-mini", "--tokenizer", str(gguf), "--http-workers", "2").wait_ready()

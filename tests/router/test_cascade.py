@@ -23,9 +23,9 @@ from protos import kvcascade_pb2_grpc as pb_grpc
 from router.cascade_config import CascadeConfigError, CascadeFile, parse_cascade
 from router.grpc_api import RouterServer
 from router.http_api import create_app, http_port, serve_http, stop_http
-from router.memory_state import MemoryPrefixIndex, MemoryRegistry
+from contracts.memory_state import MemoryPrefixIndex, MemoryRegistry
 from router.router import Router
-from router.state import WorkerInfo
+from contracts.state import WorkerInfo
 from worker.engine.async_engine import AsyncEngine
 from worker.engine.config import EngineConfig
 from worker.engine.llm_engine import LLMEngine

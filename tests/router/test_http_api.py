@@ -16,9 +16,9 @@ import openai
 import pytest
 
 from router.http_api import create_app, http_port, serve_http, stop_http
-from router.memory_state import MemoryPrefixIndex, MemoryRegistry
+from contracts.memory_state import MemoryPrefixIndex, MemoryRegistry
 from router.router import Router
-from router.state import WorkerInfo
+from contracts.state import WorkerInfo
 from worker.engine.async_engine import AsyncEngine
 from worker.engine.config import EngineConfig
 from worker.engine.llm_engine import LLMEngine

@@ -26,7 +26,8 @@ import pytest
 from deploy.local import REPO
 from kvcascade.launch import RouterOptions, Running, start_router
 from router.event_loop import run
-from router.state import WorkerInfo, connect_state
+from contracts.state import WorkerInfo
+from contracts.stores import connect_state
 
 from .conftest import free_port
 from .fake_worker import FakeWorker, token_text

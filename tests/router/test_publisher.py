@@ -7,7 +7,7 @@ import asyncio
 import pytest
 
 from protos.block_hash import block_hashes
-from router.state import connect_state
+from contracts.stores import connect_state
 from worker.engine.async_engine import AsyncEngine
 from worker.engine.sampling_params import SamplingParams
 from worker.registration import WorkerPublisher

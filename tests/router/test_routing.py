@@ -15,7 +15,7 @@ from protos import kvcascade_pb2_grpc as pb_grpc
 from protos.block_hash import block_hashes
 from router.grpc_api import RouterServer
 from router.router import Router
-from router.state import connect_state
+from contracts.stores import connect_state
 
 from .loop_thread import LoopThread
 

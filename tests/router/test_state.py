@@ -1,4 +1,4 @@
-"""The registry and prefix index contract (router/state.py), one suite over both implementations:
+"""The registry and prefix index contract (contracts/state.py), one suite over both implementations:
 in memory and on a real redis-server. Redis-only tests at the end: round trips, key layout,
 key prefixes, and Redis going away and coming back."""
 
@@ -14,9 +14,10 @@ import time
 import pytest
 import redis
 
-from router.memory_state import MemoryPrefixIndex, MemoryRegistry
-from router.redis_state import RedisPrefixIndex, RedisRegistry
-from router.state import CacheEvent, StateUnavailable, WorkerInfo, WorkerLoad, connect_state
+from contracts.memory_state import MemoryPrefixIndex, MemoryRegistry
+from contracts.redis_state import RedisPrefixIndex, RedisRegistry
+from contracts.state import CacheEvent, StateUnavailable, WorkerInfo, WorkerLoad
+from contracts.stores import connect_state
 
 MODEL = "smollm2-135m"
 

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import time
 
-from router.memory_state import MemoryPrefixIndex, MemoryRegistry
+from contracts.memory_state import MemoryPrefixIndex, MemoryRegistry
 from router.router import Router
-from router.state import WorkerInfo
+from contracts.state import WorkerInfo
 
 
 async def test_a_starting_router_loads_the_tokenizers_of_the_registered_workers() -> None:

@@ -6,7 +6,7 @@ import hashlib
 
 import pytest
 
-from worker.models.chunked import ChunkedGGUF
+from contracts.chunked import ChunkedGGUF
 
 SLICES = [b"GGUF" + bytes(range(60)), b"middle" * 7, b"the end"]
 

@@ -18,7 +18,7 @@ from protos import kvcascade_pb2 as pb
 from protos import kvcascade_pb2_grpc as pb_grpc
 from tests.conftest import MAX_NEW, PROMPTS
 from worker.engine.config import EngineConfig
-from worker.engine.core_client import EngineCoreClient
+from worker.core.client import EngineCoreClient
 from worker.engine.errors import EngineDeadError, InvalidRequestError, QueueFullError
 from worker.engine.sampling_params import SamplingParams
 
@@ -144,7 +144,7 @@ def test_a_core_that_fails_to_start_says_why():
 def test_a_dead_core_ends_every_stream_with_unavailable_and_the_worker_exits():
     worker = WorkerProcess("core-death", None, "--model", "dummy:tiny").start()
     try:
-        core_pid = _child(worker.proc.pid, "worker.engine.core")
+        core_pid = _child(worker.proc.pid, "worker.core.process")
 
         def long(i):
             req = pb.GenerateRequest(sampling=pb.SamplingParams(max_tokens=900, temperature=0, ignore_eos=True))

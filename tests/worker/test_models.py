@@ -65,7 +65,7 @@ def test_dummy_weights_build_any_preset():
 
 
 def test_unknown_model_is_refused_with_the_choices():
-    from worker.models.loader import resolve_model
+    from contracts.models import resolve_model
 
     with pytest.raises(ValueError, match="smollm2-135m"):
         resolve_model("no-such-model")

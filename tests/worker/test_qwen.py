@@ -11,7 +11,8 @@ import torch
 from worker.engine.config import EngineConfig
 from worker.engine.llm_engine import LLMEngine
 from worker.engine.sampling_params import SamplingParams
-from worker.models.loader import BUILTIN_MODELS, load_tokenizer, resolve_model
+from contracts.models import BUILTIN_MODELS, resolve_model
+from contracts.tokenizers import load_tokenizer
 
 SMALL, LARGE = "qwen2.5-coder-0.5b", "qwen2.5-coder-1.5b"
 pytestmark = [

@@ -135,7 +135,7 @@ def test_a_dead_rank_ends_requests_and_the_worker(tp_worker):
     """SIGKILL rank 1 mid-stream: no request hangs, and rank 0 exits so that it is restarted whole."""
     worker = tp_worker("--model", "dummy:tiny", "--tp", "2")
     rank1 = _children(worker.proc.pid, "worker.distributed.ranks")
-    assert len(rank1) == 1 and len(_children(worker.proc.pid, "worker.engine.core")) == 1
+    assert len(rank1) == 1 and len(_children(worker.proc.pid, "worker.core.process")) == 1
     # First, a hung rank could say where it is: SIGUSR1 prints its stacks and it runs on.
     os.kill(rank1[0], signal.SIGUSR1)
     deadline = time.monotonic() + 10

@@ -10,7 +10,7 @@ from protos.block_hash import DEFAULT_BLOCK_SIZE
 @dataclass
 class EngineConfig:
     model: str = "smollm2-135m"  # built-in name, .gguf file, safetensors folder, or dummy:PRESET
-    # A tokenizer folder, tokenizer.json or .gguf to use instead of the model's own (worker/models/loader.py).
+    # A tokenizer folder, tokenizer.json or .gguf to use instead of the model's own (contracts/tokenizers.py).
     tokenizer: str | None = None
     device: str = "cpu"
     dtype: str = "float32"  # float32 | bfloat16 | float16

@@ -44,10 +44,12 @@ from worker.engine.outputs import EngineStats, RequestOutput, Usage
 from worker.engine.sampling_params import SamplingParams
 from worker.engine.scheduler import ScheduledSeq, Scheduler
 from worker.engine.sequence import Sequence
-from worker.models.attention import create_attention_backend
+from worker.models.backends import create_attention_backend
 from worker.models.llama import LlamaForCausalLM
 from worker.models.config import ModelConfig
-from worker.models.loader import iter_dummy_weights, iter_weights, load_config, load_tokenizer, resolve_model
+from contracts.models import resolve_model
+from contracts.tokenizers import load_tokenizer
+from worker.models.loader import iter_dummy_weights, iter_weights, load_config
 
 log = logging.getLogger(__name__)
 

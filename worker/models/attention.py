@@ -10,8 +10,8 @@ Token layout of one step (T new tokens, B sequences, flattened, decodes first):
     query_start   0    1    2    3                   8                  11
     context_len = cached/computed tokens before this step + the new ones (what the query sees)
 
-A backend is chosen by name (``create_attention_backend``); the torch one runs anywhere and is
-the reference the Triton backend is checked against. The KV pool and the backend travel in the metadata, so a
+A backend is chosen by name (``worker.models.backends.create_attention_backend``); the torch one
+runs anywhere and is the reference the Triton backend is checked against. The KV pool and the backend travel in the metadata, so a
 model holds no engine state and one loaded model can serve several engines.
 """
 
@@ -161,20 +161,3 @@ def _slots_of(block_table: list[int], num_tokens: int, block_size: int) -> torch
     blocks = torch.tensor(block_table, dtype=torch.long)
     pos = torch.arange(num_tokens)
     return blocks[pos // block_size] * block_size + pos % block_size
-
-
-_BACKENDS: dict[str, type[AttentionBackend]] = {"torch": TorchAttentionBackend}
-
-
-def register_attention_backend(cls: type[AttentionBackend]) -> type[AttentionBackend]:
-    _BACKENDS[cls.name] = cls
-    return cls
-
-
-def create_attention_backend(name: str) -> AttentionBackend:
-    if name == "triton":
-        import worker.models.triton_backend  # noqa: F401  (registers itself; imports triton lazily)
-    try:
-        return _BACKENDS[name]()
-    except KeyError:
-        raise ValueError(f"unknown attention backend {name!r}; known: {sorted(_BACKENDS)}") from None

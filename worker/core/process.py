@@ -1,6 +1,6 @@
 """The engine core: an LLMEngine's step loop in a process of its own, next to no network server.
 
-    front end (gRPC server, tokenizer, detokenizer, stop strings)    core_client.EngineCoreClient
+    front end (gRPC server, tokenizer, detokenizer, stop strings)    client.EngineCoreClient
         |  Add / Abort / Control (a request's inputs once)   ^  Ready, then one Step per engine step
         v                                                    |  (every request's new tokens, load, cache events)
     engine core (this module): scheduler, block manager, model runner; tensor-parallel rank 0
@@ -11,7 +11,7 @@ detokenization: the front end does both off the step loop and aborts a request a
 It exits when told to, when its front end's process dies, or (code 1, after a ``Failed``) when
 the engine breaks.
 
-Started by ``EngineCoreClient`` as ``python -m worker.engine.core``; not meant to be run by hand.
+Started by ``EngineCoreClient`` as ``python -m worker.core.process``; not meant to be run by hand.
 """
 
 from __future__ import annotations
@@ -28,8 +28,8 @@ import time
 import msgspec
 import zmq
 
+from worker.core.messages import TO_CORE, Abort, Add, CoreOutput, Failed, Ready, Step
 from worker.engine.config import EngineConfig
-from worker.engine.core_messages import TO_CORE, Abort, Add, CoreOutput, Failed, Ready, Step
 
 log = logging.getLogger(__name__)
 

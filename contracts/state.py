@@ -1,7 +1,7 @@
 """The shared state the router reads and workers write: the worker registry and the prefix index.
 
-Two implementations stand behind one interface each: Redis (router/redis_state.py), for real
-deployments with several routers and workers, and in-memory (router/memory_state.py), for the
+Two implementations stand behind one interface each: Redis (contracts/redis_state.py), for real
+deployments with several routers and workers, and in-memory (contracts/memory_state.py), for the
 embedded default where everything runs in one process. Workers write through the same classes.
 
 Contracts (../shared/DESIGN.md):
@@ -130,18 +130,3 @@ class PrefixIndex(abc.ABC):
 
     async def aclose(self) -> None:
         """Release connections (the Redis client is shared with the registry: closing either closes it)."""
-
-
-def connect_state(url: str | None, key_prefix: str = "kvc:") -> tuple[Registry, PrefixIndex]:
-    """The registry and index for a deployment: in memory (one process) when ``url`` is None,
-    else Redis at ``url`` (``redis://``, ``rediss://`` for TLS, ``redis://:password@host``...;
-    see router/redis_state.py), under ``key_prefix`` so deployments can share one Redis.
-    Connects lazily: a Redis that is down shows as ``StateUnavailable`` on first use."""
-    if url is None:
-        from router.memory_state import MemoryPrefixIndex, MemoryRegistry
-
-        return MemoryRegistry(), MemoryPrefixIndex()
-    from router.redis_state import RedisPrefixIndex, RedisRegistry, redis_client
-
-    client = redis_client(url)
-    return RedisRegistry(client, key_prefix), RedisPrefixIndex(client, key_prefix)

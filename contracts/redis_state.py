@@ -28,7 +28,7 @@ from redis.backoff import ExponentialBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from router.state import CacheEvent, PrefixIndex, Registry, StateUnavailable, WorkerInfo, WorkerLoad, check_events
+from contracts.state import CacheEvent, PrefixIndex, Registry, StateUnavailable, WorkerInfo, WorkerLoad, check_events
 
 
 def redis_client(url: str, connect_timeout_s: float = 0.5, timeout_s: float = 1.0) -> Redis:

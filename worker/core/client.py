@@ -1,4 +1,4 @@
-"""The worker's front end of an engine core process (core.py): requests in, streams out.
+"""The worker's front end of an engine core process (process.py): requests in, streams out.
 
 Same interface as AsyncEngine (the in-process driver), so the gRPC server and the registry
 publisher take either. What it does on this side of the process boundary:
@@ -32,10 +32,10 @@ from dataclasses import dataclass
 import msgspec
 import zmq
 
+from worker.core.messages import FROM_CORE, Abort, Add, Control, CoreOutput, Failed, Ready, Step
+from worker.core.process import core_params
 from worker.engine.block_manager import KVEvent
 from worker.engine.config import EngineConfig
-from worker.engine.core import core_params
-from worker.engine.core_messages import FROM_CORE, Abort, Add, Control, CoreOutput, Failed, Ready, Step
 from worker.engine.detokenizer import take_text_delta, update_text
 from worker.engine.errors import EngineDeadError, InvalidRequestError, QueueFullError
 from worker.engine.input_processor import InputProcessor
@@ -104,7 +104,8 @@ class EngineCoreClient:
     def start(self, timeout_s: float | None = None, watch: Callable[[], str | None] = lambda: None) -> None:
         """Start the core process and return once its engine is ready (blocking). ``watch`` says why
         the start cannot succeed (a tensor-parallel rank that died), or None."""
-        from worker.models.loader import load_tokenizer, resolve_model
+        from contracts.models import resolve_model
+        from contracts.tokenizers import load_tokenizer
 
         self._dir = tempfile.mkdtemp(prefix="kvcascade-core-")
         self._ctx = zmq.Context()
@@ -114,7 +115,7 @@ class EngineCoreClient:
         self._out.bind(f"ipc://{self._dir}/out")
         payload = json.dumps(dataclasses.asdict(self.config))
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "worker.engine.core", "--config", payload, "--input", f"ipc://{self._dir}/in",
+            [sys.executable, "-m", "worker.core.process", "--config", payload, "--input", f"ipc://{self._dir}/in",
              "--output", f"ipc://{self._dir}/out", "--parent-pid", str(os.getpid()),
              *(["--init-method", self.init_method] if self.init_method else [])],
             env=dict(os.environ, PYTHONUNBUFFERED="1"))

@@ -1,5 +1,5 @@
 """The registry and prefix index in process memory: the embedded default (router and worker in one
-process). Behaves exactly as the Redis ones in router/redis_state.py; tests/router/test_state.py
+process). Behaves exactly as the Redis ones in contracts/redis_state.py; tests/router/test_state.py
 runs one contract suite over both."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ from __future__ import annotations
 import copy
 import time
 
-from router.state import CacheEvent, PrefixIndex, Registry, WorkerInfo, WorkerLoad, check_events
+from contracts.state import CacheEvent, PrefixIndex, Registry, WorkerInfo, WorkerLoad, check_events
 
 
 class MemoryRegistry(Registry):
