@@ -232,7 +232,7 @@ async def _run(args: argparse.Namespace) -> None:
                 running.on_stop(redis.stop)
                 ropts.redis_url = redis.url
             if args.command == "serve" and (args.workers or args.address):
-                from deploy.ray_serve import start_ray_workers
+                from kvcascade.ray_serve import start_ray_workers
 
                 await start_ray_workers(_serve_engine_configs(args), args.workers or 1, running,
                                         address=args.address, redis_url=ropts.redis_url, key_prefix=args.key_prefix,

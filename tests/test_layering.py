@@ -2,7 +2,8 @@
 back to itself (every import counts, those inside functions too: a lazy import is still a
 dependency). Read from the source with ast, nothing imported.
 
-    kvcascade/, deploy/     assemble and start everything              (may import any floor)
+    kvcascade/              assembles and starts everything (Ray included) (may import any floor)
+    deploy/                 local processes and cluster checks, for tests and benchmarks
     router/   worker/       the two sides, which never import each other
     loadtest/               a client of the servers' APIs
     contracts/              what both sides share: state, models, tokenizers, the gRPC server
@@ -23,7 +24,7 @@ ALLOWED = {
     "worker": {"contracts", "protos", "kernels"},
     "router": {"contracts", "protos"},
     "loadtest": {"protos"},
-    "deploy": {"kvcascade", "contracts", "router", "worker", "protos", "kernels", "loadtest"},
+    "deploy": {"protos"},  # local processes for tests and benchmarks, cluster checks
     "kvcascade": {"deploy", "contracts", "router", "worker", "protos", "kernels", "loadtest"},
 }
 

@@ -4,7 +4,7 @@
     ranks 1..T-1: run_rank -> join the group -> load their shard -> follow rank 0's steps
 
 ``kvcascade worker --tp T`` starts ranks 1..T-1 as child processes on its node (LocalRanks); the
-Ray worker (deploy/ray_worker.py) starts each as an actor in the worker's placement group. Both
+Ray worker (kvcascade/ray_worker.py) starts each as an actor in the worker's placement group. Both
 run ``run_rank``, so the GPU machine without Ray runs the code the actors run. The ranks of a
 worker share one node and meet on loopback.
 

@@ -1,5 +1,5 @@
 """`kvcascade serve --workers N [--tp T] [--address RAY]`: the workers as Ray actor groups
-(deploy/ray_worker.py), the router in this process, all meeting in Redis.
+(kvcascade/ray_worker.py), the router in this process, all meeting in Redis.
 
     this process:  Ray driver + router (gRPC --port, HTTP --http-port)
     Ray:           N x WorkerActor (+ T-1 RankActors each), one placement group per worker
@@ -51,7 +51,7 @@ async def start_ray_workers(configs: list[EngineConfig], workers: int, running, 
     from ray.util.placement_group import placement_group, remove_placement_group
 
     from kvcascade.launch import WorkerOptions
-    from deploy.ray_worker import WorkerActor, bundle, in_bundle
+    from kvcascade.ray_worker import WorkerActor, bundle, in_bundle
 
     _init_ray(address, sum(c.tensor_parallel_size for c in configs) * workers)
     running.on_stop(ray.shutdown)

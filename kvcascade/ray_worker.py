@@ -13,7 +13,7 @@ rank actors and a new process group, loads the model and registers under a new e
 heartbeats again the router sends it nothing (router.Router marks it down on the first failed call).
 A worker whose first ``__init__`` raises (a model that does not load, a pool that holds no block)
 is not restarted: Ray restarts actors whose process died, not those whose constructor raised, and
-deploy.ray_serve.start_ray_workers reports it (StartupError), so `kvcascade serve` exits with it.
+kvcascade.ray_serve.start_ray_workers reports it (StartupError), so `kvcascade serve` exits with it.
 """
 
 from __future__ import annotations
