@@ -1,9 +1,18 @@
 """A model's tokenizer (transformers' fast tokenizers, with the chat template): what the router
-tokenizes and hashes, and what a worker's front end tokenizes and detokenizes. No torch."""
+tokenizes and hashes, and what a worker's front end tokenizes and detokenizes.
+
+A tokenizer never needs torch, but transformers imports torch at its own import whenever it is
+installed (a second and about 200 MB). A process that only tokenizes, the router, calls
+``hide_torch`` first; the one step that does need torch, building a tokenizer from a GGUF file's
+metadata, then runs in a child process that leaves the result in the on-disk cache.
+"""
 
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
+import tempfile
 from pathlib import Path
 
 from contracts.models import ModelSource, cache_dir, resolve_model
@@ -40,6 +49,19 @@ def _load_tokenizer_path(path: Path):
     raise FileNotFoundError(f"--tokenizer {path}: not a tokenizer folder, tokenizer.json or .gguf file")
 
 
+def hide_torch() -> bool:
+    """Make torch look absent to this process (sys.modules["torch"] = None: transformers then sees
+    no torch and an ``import torch`` fails at once), for a process that only tokenizes. Only before
+    transformers or torch is imported; True when torch is hidden."""
+    if "torch" not in sys.modules and "transformers" not in sys.modules:
+        sys.modules["torch"] = None
+    return _torch_hidden()
+
+
+def _torch_hidden() -> bool:
+    return "torch" in sys.modules and sys.modules["torch"] is None
+
+
 def _gguf_tokenizer(path: Path):
     from transformers import AutoTokenizer
 
@@ -52,12 +74,46 @@ def _gguf_tokenizer(path: Path):
             return AutoTokenizer.from_pretrained(str(cached), clean_up_tokenization_spaces=False)
         except Exception:  # a stale or partial cache entry: rebuild it
             pass
+    if _torch_hidden():  # transformers' GGUF reader needs torch: a child process converts
+        return AutoTokenizer.from_pretrained(str(_convert_in_child(path, cached)), clean_up_tokenization_spaces=False)
     tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name,
                                         clean_up_tokenization_spaces=False)
+    _save(tok, cached)
+    return tok
+
+
+def _save(tok, cached: Path) -> bool:
     try:
         tmp = cached.with_name(cached.name + f".tmp{os.getpid()}")
         tok.save_pretrained(str(tmp))
         os.replace(tmp, cached) if not cached.exists() else None
+        return True
     except OSError:
-        pass  # a read-only home is fine: just slower starts
-    return tok
+        return False  # a read-only home is fine: just slower starts
+
+
+def _convert_in_child(path: Path, cached: Path) -> Path:
+    """Where a child process (torch visible) left the tokenizer built from ``path``: the cache, or a
+    temporary folder when the cache cannot be written."""
+    target = cached
+    try:
+        cached.parent.mkdir(parents=True, exist_ok=True)
+    except OSError:
+        pass
+    if not os.access(cached.parent, os.W_OK):
+        target = Path(tempfile.mkdtemp(prefix="kvcascade-tokenizer-")) / cached.name
+    root = str(Path(__file__).resolve().parents[1])
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])))
+    subprocess.run([sys.executable, "-m", "contracts.tokenizers", str(path), str(target)], env=env, check=True,
+                   stdout=subprocess.DEVNULL)
+    return target
+
+
+if __name__ == "__main__":  # python -m contracts.tokenizers GGUF TARGET: build and save (_convert_in_child)
+    from transformers import AutoTokenizer
+
+    source, target = Path(sys.argv[1]), Path(sys.argv[2])
+    built = AutoTokenizer.from_pretrained(str(source.parent), gguf_file=source.name, clean_up_tokenization_spaces=False)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    if not _save(built, target):
+        sys.exit(f"could not write the tokenizer to {target}")

@@ -338,6 +338,10 @@ def _generate(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.command == "router":  # it only tokenizes: no torch for transformers to load (contracts/tokenizers.py)
+        from contracts.tokenizers import hide_torch
+
+        hide_torch()
     if args.command == "generate":
         return _generate(args)
     if args.command == "loadtest":

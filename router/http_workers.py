@@ -175,8 +175,10 @@ def _child_main(opts: HttpFrontOptions, slot: int, ready: Connection) -> None:
     logging.getLogger().setLevel(opts.log_level)
     # A Ctrl-C reaches the terminal's whole process group: the parent decides when children stop.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    from contracts.tokenizers import hide_torch
     from router.event_loop import run
 
+    hide_torch()  # an HTTP front only tokenizes: no torch for transformers to load
     run(_serve(opts, slot, ready))
 
 

@@ -81,8 +81,8 @@ def test_no_module_imports_its_way_back_to_itself() -> None:
 
 
 def test_the_router_code_imports_no_torch() -> None:
-    """Importing what `kvcascade router` runs loads none of the engine's dependencies. (Loading a
-    tokenizer still does: transformers imports torch at its own import when torch is installed.)"""
+    """Importing what `kvcascade router` runs loads none of the engine's dependencies (and the router
+    process keeps transformers from loading torch: tests/router/test_tokenizers.py)."""
     import subprocess
     import sys
 

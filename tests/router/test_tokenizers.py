@@ -1,12 +1,24 @@
-"""The router loads its workers' tokenizers when it starts, so no first request waits seconds for one."""
+"""The router's tokenizers: loaded when it starts, so no first request waits seconds for one, and
+without torch in the router's process."""
 
 from __future__ import annotations
 
+import asyncio
+import os
+import subprocess
+import sys
 import time
+from pathlib import Path
+
+import httpx
 
 from contracts.memory_state import MemoryPrefixIndex, MemoryRegistry
-from router.router import Router
 from contracts.state import WorkerInfo
+from contracts.stores import connect_state
+from deploy.local import REPO, free_port
+from router.router import Router
+
+from .fake_worker import FakeWorker
 
 
 async def test_a_starting_router_loads_the_tokenizers_of_the_registered_workers() -> None:
@@ -26,3 +38,41 @@ async def test_a_starting_router_loads_the_tokenizers_of_the_registered_workers(
         assert tokenizer.encode("hello world", add_special_tokens=False)
     finally:
         await router.close()
+
+
+def test_the_router_process_tokenizes_without_torch(redis_server, tmp_path) -> None:
+    """`kvcascade router` hides torch (contracts.tokenizers.hide_torch): it loads no libtorch, even
+    when a GGUF's tokenizer must first be built (a child process does that, into a fresh cache here),
+    and still tokenizes and routes: a completion through it to a fake worker comes back whole."""
+    worker = FakeWorker()
+
+    async def register() -> None:
+        registry, _ = connect_state(redis_server.url, "kvc:")
+        await registry.register(WorkerInfo(worker_id="fake", epoch="e1", address=worker.address, model="fake",
+                                           model_source="smollm2-135m", capacity=8), ttl_s=600)
+        await registry.aclose()
+
+    asyncio.run(register())
+    http = free_port()
+    log = tmp_path / "router.log"
+    env = dict(os.environ, HF_HUB_OFFLINE="1", KVCASCADE_CACHE=str(tmp_path / "cache"))
+    proc = subprocess.Popen([sys.executable, "-m", "kvcascade", "router", "--redis-url", redis_server.url,
+                             "--port", str(free_port()), "--http-port", str(http)],
+                            cwd=REPO, env=env, stdout=open(log, "w"), stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 120
+        while "kvcascade router ready" not in log.read_text():
+            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+            time.sleep(0.2)
+        assert "not loaded" not in log.read_text(), log.read_text()[-3000:]
+        assert list((tmp_path / "cache" / "tokenizers").glob("*/tokenizer.json"))  # built by the child
+        r = httpx.post(f"http://127.0.0.1:{http}/v1/completions",
+                       json={"model": "fake", "prompt": "hello world", "max_tokens": 5}, timeout=30)
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"]["completion_tokens"] == 5
+        maps = Path(f"/proc/{proc.pid}/maps").read_text()
+        assert "libtorch" not in maps
+    finally:
+        proc.terminate()
+        proc.wait(30)
+        worker.close()
