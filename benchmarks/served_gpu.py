@@ -222,9 +222,6 @@ def _client_proc(target: str, protocol: str, items: list, t0_wall: float, q) -> 
     q.put(asyncio.run(main()))
 
 
-TICK = os.sysconf("SC_CLK_TCK")
-
-
 def process_tree(pid: int) -> dict[int, str]:
     """``pid`` and its descendants: pid -> a short name (its command's first words)."""
     children: dict[int, list[int]] = {}
@@ -253,11 +250,12 @@ def process_tree(pid: int) -> dict[int, str]:
 
 def cpu_s(pid: int) -> float:
     """CPU seconds (user + system, every thread) the process has used so far; 0 once it is gone."""
+    from loadtest_capacity import cpu_s as used  # benchmarks/, beside this script
+
     try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return used(pid)
     except OSError:
         return 0.0
-    return (int(fields[11]) + int(fields[12])) / TICK
 
 
 def drive(target: str, protocol: str, work, when: list[float], processes: int, server_pids: tuple[int, ...] = (),

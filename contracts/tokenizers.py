@@ -76,10 +76,16 @@ def _gguf_tokenizer(path: Path):
             pass
     if _torch_hidden():  # transformers' GGUF reader needs torch: a child process converts
         return AutoTokenizer.from_pretrained(str(_convert_in_child(path, cached)), clean_up_tokenization_spaces=False)
-    tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name,
-                                        clean_up_tokenization_spaces=False)
+    tok = _build(path)
     _save(tok, cached)
     return tok
+
+
+def _build(path: Path):
+    """The tokenizer from a GGUF file's metadata (seconds, and transformers needs torch for it)."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name, clean_up_tokenization_spaces=False)
 
 
 def _save(tok, cached: Path) -> bool:
@@ -110,10 +116,8 @@ def _convert_in_child(path: Path, cached: Path) -> Path:
 
 
 if __name__ == "__main__":  # python -m contracts.tokenizers GGUF TARGET: build and save (_convert_in_child)
-    from transformers import AutoTokenizer
-
-    source, target = Path(sys.argv[1]), Path(sys.argv[2])
-    built = AutoTokenizer.from_pretrained(str(source.parent), gguf_file=source.name, clean_up_tokenization_spaces=False)
+    target = Path(sys.argv[2])
+    built = _build(Path(sys.argv[1]))
     target.parent.mkdir(parents=True, exist_ok=True)
     if not _save(built, target):
         sys.exit(f"could not write the tokenizer to {target}")
