@@ -197,7 +197,7 @@ def run_naive(engine: LLMEngine, workload: list[Request], params: SamplingParams
         seq.block_table = list(range(engine.block_manager.blocks_needed(len(r.prompt_ids) + params.max_tokens)))
         for _ in range(params.max_tokens):
             seq.num_computed_tokens = 0
-            [(token, _)] = engine.runner.run([ScheduledSeq(seq, seq.num_tokens)])
+            [(token, _)], _ = engine.runner.run([ScheduledSeq(seq, seq.num_tokens)])
             seq.token_ids.append(token)
             rec.tokens.append(token)
             if rec.first is None:

@@ -68,7 +68,7 @@ def main() -> None:
             t0 = time.perf_counter()
             batch, _ = eng.scheduler.schedule()
             t1 = time.perf_counter()
-            sampled = eng.runner.run(batch)
+            sampled, _ = eng.runner.run(batch)
             torch.cuda.synchronize()
             t2 = time.perf_counter()
             eng._postprocess(batch, sampled)

@@ -2,12 +2,25 @@
 
     request -> plan (cascade? pinned tier? opted out?) -> tier 1 with logprobs, held back
             -> confidence over its window -> accept: release what was held, stream the rest
+                                          -> unsure, with a judge: the next tier scores the draft
+                                             in one prefill (its prompt logprobs) -> accept | escalate
                                           -> escalate: cancel it, next tier ... the last answers
 
 The invariant the client relies on: it never sees a token of a tier that was thrown away. A
 trial tier's messages are buffered until the decision (``full``: when it finishes; ``early``:
 after its first ``window`` tokens) and only then released, so no message of an escalated tier
 ever leaves this module. Messages carry ``tier`` and ``escalated``; the last also ``confidence``.
+
+The judge (a tier's ``judge``) reads the draft as the next tier's model would have written it:
+the request's prompt in that model's tokenization followed by the draft's token ids, one prefill
+with ``prompt_logprobs`` from the draft's first token and a single generated token. Its prompt's
+KV blocks stay in that worker's prefix cache, so an escalation after a rejection routes there
+and skips that prefill. The draft's ids only mean the same text under one vocabulary: the router
+refuses a judge across two (``PromptIds``).
+
+Cost accounting: the last message carries ``tier_usage``, every tier's prompt, cached and
+generated tokens for the request (trials thrown away and judging included), and the metrics
+count the same (``kvcascade_cascade_usage_tokens``).
 
 Which requests cascade (``plan``): those naming no model or the cascade's name. ``tier`` pins one
 tier (no escalation); ``cascade: CASCADE_OFF`` on such a request goes to the last tier unjudged,
@@ -18,7 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 
 import grpc
@@ -30,6 +43,9 @@ from router.metrics import RouterMetrics
 
 # Answers one request through the normal routing path (Router._answer).
 Answerer = Callable[[pb.GenerateRequest, float | None], AsyncIterator[pb.GenerateResponse]]
+# The request's prompt token ids for a model (Router.prompt_ids); with ``draft_model``, refuses
+# (FAILED_PRECONDITION) when that model's vocabulary differs.
+PromptIds = Callable[[pb.GenerateRequest, str, str | None], Awaitable[list[int]]]
 # A trial tier failing with these before any output is skipped: the next tier may be up.
 _SKIPPABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED}
 
@@ -68,12 +84,19 @@ class _Trial:
         self.measure = tier.create_measure()
         self.messages: list[pb.GenerateResponse] = []
         self.logprobs: list[pb.TokenLogprob] = []
-        self.tokens = 0
+        self.token_ids: list[int] = []
+        self.usage: pb.Usage | None = None  # the worker's, on its last message
         self.started = time.monotonic()
 
     def add(self, msg: pb.GenerateResponse) -> None:
         self.logprobs.extend(msg.logprobs)
-        self.tokens += len(msg.token_ids)
+        self.token_ids.extend(msg.token_ids)
+        if msg.HasField("usage"):
+            self.usage = msg.usage
+
+    @property
+    def tokens(self) -> int:
+        return len(self.token_ids)
 
     def confidence(self) -> float | None:
         """The measure over the window; None when the tier produced no token."""
@@ -89,8 +112,11 @@ class CascadeRun:
     """One request through a plan."""
 
     def __init__(self, plan: Plan, request: pb.GenerateRequest, answer: Answerer, metrics: RouterMetrics,
-                 timeout: float | None):
+                 timeout: float | None, prompt_ids: PromptIds | None = None):
         self.plan, self.request, self.answer, self.metrics = plan, request, answer, metrics
+        self.prompt_ids = prompt_ids
+        self.usage: list[pb.TierUsage] = []  # every tier's tokens so far (tier_usage)
+        self.judge_score: float | None = None  # the last judge's
         self.deadline = None if timeout is None else time.monotonic() + timeout
         sampling = request.sampling
         self.client_logprobs = sampling.logprobs if sampling.HasField("logprobs") else None
@@ -137,13 +163,13 @@ class CascadeRun:
                 if final:
                     async for msg in stream:
                         trial.add(msg)
-                        if msg.finish_reason and self.plan.report:
-                            msg.confidence = trial.confidence() or 0.0
+                        if msg.finish_reason:
+                            self._finish_message(msg, trial, trial.confidence() or 0.0)
                         yield self._release(msg, tier, escalated)
                     self._answered(trial, escalated)
                     return
                 try:
-                    reason = await self._judge(trial, stream)
+                    reason = await self._judge(trial, stream, self.plan.tiers[i + 1])
                 except RouterError as err:
                     if err.code not in _SKIPPABLE:
                         raise
@@ -153,21 +179,22 @@ class CascadeRun:
                     confidence = trial.confidence()
                     for msg in trial.messages:
                         if msg.finish_reason:
-                            msg.confidence = confidence
+                            self._finish_message(msg, trial, confidence)
                         yield self._release(msg, tier, escalated)
                     # early mode: the rest of an accepted tier streams straight through.
                     async for msg in stream:
                         trial.add(msg)
                         if msg.finish_reason:
-                            msg.confidence = confidence
+                            self._finish_message(msg, trial, confidence)
                         yield self._release(msg, tier, escalated)
                     self._answered(trial, escalated)
                     return
             # The stream is closed: the worker call is cancelled and its KV blocks freed.
-            self._escalated(trial, reason)
+            await self._escalated(trial, reason)
             draft = trial.text
 
-    async def _judge(self, trial: _Trial, stream: AsyncIterator[pb.GenerateResponse]) -> str | None:
+    async def _judge(self, trial: _Trial, stream: AsyncIterator[pb.GenerateResponse],
+                     next_tier: TierConfig) -> str | None:
         """Hold the tier's messages until it can be judged; None: accepted, else why it escalates."""
         tier, early = trial.tier, self.plan.config.mode == "early"
         async for msg in stream:
@@ -182,9 +209,67 @@ class CascadeRun:
             return "limit"  # the trial's own cap, not the client's, ended it
         confidence = trial.confidence()
         self.metrics.cascade_confidence.labels(tier.name).observe(confidence if confidence is not None else 0.0)
-        if confidence is None or not tier.accepts(confidence):
+        if confidence is None:
             return "confidence"
-        return None
+        if tier.accepts(confidence):
+            return None
+        if not tier.judged(confidence) or not trial.token_ids:
+            return "confidence"
+        return await self._ask_judge(trial, next_tier)
+
+    async def _ask_judge(self, trial: _Trial, judge_tier: TierConfig) -> str | None:
+        """The next tier scores the draft in one prefill (module docstring); None: it agrees."""
+        judge, name = trial.tier.judge, trial.tier.name
+        if self.prompt_ids is None:
+            raise RouterError(grpc.StatusCode.FAILED_PRECONDITION, f"tiers[{name}].judge: this router cannot judge")
+        prompt = await self.prompt_ids(self.request, judge_tier.model, trial.tier.model)
+        req = pb.GenerateRequest(model=judge_tier.model)
+        if self.request.request_id:
+            req.request_id = f"{self.request.request_id}/judge"
+        req.token_ids.ids[:] = prompt + trial.token_ids
+        req.sampling.max_tokens = 1
+        req.sampling.temperature = 0.0
+        req.sampling.prompt_logprobs = judge.create_measure().top_logprobs
+        req.sampling.prompt_logprobs_start = len(prompt)
+        scored: list[pb.TokenLogprob] = []
+        usage = None
+        async with contextlib.aclosing(self.answer(req, self._remaining())) as stream:
+            async for msg in stream:
+                scored.extend(msg.prompt_logprobs)
+                if msg.HasField("usage"):
+                    usage = msg.usage
+        self._count(judge_tier, "judge", usage)
+        score = judge.create_measure().score(scored) if scored else None
+        self.judge_score = score
+        accepted = score is not None and judge.accepts(score)
+        self.metrics.cascade_judgements.labels(name, "accept" if accepted else "reject").inc()
+        if score is not None:
+            self.metrics.cascade_judge_score.labels(name).observe(score)
+        return None if accepted else "judge"
+
+    def _count(self, tier: TierConfig, role: str, usage: pb.Usage | None, completion: int | None = None,
+               prompt: int = 0) -> pb.TierUsage:
+        """Record what ``tier`` computed for this request (tier_usage and the metrics)."""
+        entry = pb.TierUsage(tier=tier.name, model=tier.model, role=role,
+                             prompt_tokens=usage.prompt_tokens if usage is not None else prompt,
+                             cached_tokens=usage.cached_tokens if usage is not None else 0,
+                             completion_tokens=usage.completion_tokens if completion is None else completion)
+        self.usage.append(entry)
+        tokens = self.metrics.cascade_usage_tokens
+        tokens.labels(tier.name, role, "prompt").inc(entry.prompt_tokens)
+        tokens.labels(tier.name, role, "cached").inc(entry.cached_tokens)
+        tokens.labels(tier.name, role, "completion").inc(entry.completion_tokens)
+        return entry
+
+    def _finish_message(self, msg: pb.GenerateResponse, trial: _Trial, confidence: float | None) -> None:
+        """The answer's last message: its confidence and, when reporting, every tier's usage."""
+        if self.plan.report:
+            msg.confidence = confidence or 0.0
+        self._count(trial.tier, "answer", trial.usage, completion=trial.tokens)
+        if self.plan.report:
+            msg.tier_usage.extend(self.usage)
+            if self.judge_score is not None:
+                msg.judge_score = self.judge_score
 
     def _answered(self, trial: _Trial, escalated: bool) -> None:
         m, name = self.metrics, trial.tier.name
@@ -192,12 +277,18 @@ class CascadeRun:
         m.cascade_tokens.labels(name, "kept").inc(trial.tokens)
         m.cascade_tier_seconds.labels(name).observe(time.monotonic() - trial.started)
 
-    def _escalated(self, trial: _Trial, reason: str) -> None:
+    async def _escalated(self, trial: _Trial, reason: str) -> None:
         m, name = self.metrics, trial.tier.name
         m.cascade_decisions.labels(name, "escalate").inc()
         m.cascade_escalations.labels(name, reason).inc()
         m.cascade_tokens.labels(name, "discarded").inc(trial.tokens)
         m.cascade_tier_seconds.labels(name).observe(time.monotonic() - trial.started)
+        prompt = 0
+        if trial.usage is None and trial.tokens and self.prompt_ids is not None:
+            # Cancelled mid-answer (early mode, a trial's cap): the worker never reported usage.
+            with contextlib.suppress(RouterError):
+                prompt = len(await self.prompt_ids(self.request, trial.tier.model, None))
+        self._count(trial.tier, "trial", trial.usage, completion=trial.tokens, prompt=prompt)
 
 
 def _append_draft(req: pb.GenerateRequest, draft: str, review_prompt: str) -> None:
@@ -212,5 +303,5 @@ def _append_draft(req: pb.GenerateRequest, draft: str, review_prompt: str) -> No
 
 
 def run_cascade(plan_: Plan, request: pb.GenerateRequest, answer: Answerer, metrics: RouterMetrics,
-                timeout: float | None) -> AsyncIterator[pb.GenerateResponse]:
-    return CascadeRun(plan_, request, answer, metrics, timeout).run()
+                timeout: float | None, prompt_ids: PromptIds | None = None) -> AsyncIterator[pb.GenerateResponse]:
+    return CascadeRun(plan_, request, answer, metrics, timeout, prompt_ids).run()

@@ -13,6 +13,10 @@ the file, the line and the key (``cascade.yaml:9: tiers[0].threshold: must be a 
         threshold: -0.35           # accept when mean_logprob >= it (mean_entropy: <= it)
         window: 16                 # judge the first 16 tokens; absent: the whole answer
         max_tokens: 256            # full mode: a trial that runs past this escalates
+        judge:                     # optional: a draft below `threshold` is judged by the next tier
+          measure: mean_logprob    # over the draft's tokens as the next tier's model scores them
+          threshold: -0.3          # the judge accepts at or above it (one prefill, no generation)
+          floor: -1.5              # optional: below this own confidence, escalate unjudged
       - name: large
         model: qwen2.5-coder-1.5b
 
@@ -66,6 +70,41 @@ def _positive_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 1
 
 
+def _surer(measure: str, value: float, bar: float) -> bool:
+    """``value`` of ``measure`` is at least as sure as ``bar``."""
+    return value >= bar if MEASURES[measure].higher_is_surer else value <= bar
+
+
+@dataclass(frozen=True)
+class JudgeConfig:
+    """The next tier judges a draft in one prefill: the draft's tokens' logprobs under its model
+    (router/confidence.py's measures over them), accepted when at least as sure as ``threshold``."""
+
+    threshold: float
+    measure: str = "mean_logprob"
+    floor: float | None = None  # the tier's own confidence below which it escalates unjudged
+    top_logprobs: int = 20  # mean_entropy: alternatives per draft token
+
+    def __post_init__(self) -> None:
+        if self.measure not in MEASURES:
+            raise FieldError(("measure",), f"must be one of {sorted(MEASURES)}, not {self.measure!r}")
+        if not _number(self.threshold):
+            raise FieldError(("threshold",), f"must be a number, not {self.threshold!r}")
+        if self.floor is not None and not _number(self.floor):
+            raise FieldError(("floor",), f"must be a number, not {self.floor!r}")
+        if not _positive_int(self.top_logprobs):
+            raise FieldError(("top_logprobs",), f"must be an integer >= 1, not {self.top_logprobs!r}")
+
+    def create_measure(self) -> ConfidenceMeasure:
+        return create_measure(self.measure, self.top_logprobs)
+
+    def accepts(self, score: float) -> bool:
+        return _surer(self.measure, score, self.threshold)
+
+
+_JUDGE_KEYS = {"measure", "threshold", "floor", "top_logprobs"}
+
+
 @dataclass(frozen=True)
 class TierConfig:
     model: str
@@ -75,6 +114,7 @@ class TierConfig:
     window: int | None = None  # tokens judged; None: the whole answer
     max_tokens: int | None = None  # full mode: cap of the trial
     top_logprobs: int = 20  # mean_entropy: alternatives asked for per token
+    judge: JudgeConfig | None = None  # below threshold (or always, without one): the next tier judges
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model:
@@ -96,9 +136,13 @@ class TierConfig:
         return create_measure(self.measure, self.top_logprobs)
 
     def accepts(self, confidence: float) -> bool:
-        assert self.threshold is not None, "the last tier is never judged"
-        surer = self.create_measure().higher_is_surer
-        return confidence >= self.threshold if surer else confidence <= self.threshold
+        """Accepted on its own confidence, without asking a judge."""
+        return self.threshold is not None and _surer(self.measure, confidence, self.threshold)
+
+    def judged(self, confidence: float) -> bool:
+        """Not accepted on its own: does the next tier judge it (else it escalates)?"""
+        return self.judge is not None and (self.judge.floor is None
+                                           or _surer(self.measure, confidence, self.judge.floor))
 
 
 @dataclass(frozen=True)
@@ -130,8 +174,11 @@ class CascadeConfig:
             last = i == len(self.tiers) - 1
             if last and tier.threshold is not None:
                 raise FieldError(("tiers", i, "threshold"), "the last tier always answers: it takes no threshold")
-            if not last and tier.threshold is None:
-                raise FieldError(("tiers", i, "threshold"), "missing: every tier but the last needs a threshold")
+            if last and tier.judge is not None:
+                raise FieldError(("tiers", i, "judge"), "the last tier always answers: no tier after it judges")
+            if not last and tier.threshold is None and tier.judge is None:
+                raise FieldError(("tiers", i, "threshold"),
+                                 "missing: every tier but the last needs a threshold (or a judge)")
             if not last and self.mode == "early" and tier.window is None:
                 raise FieldError(("tiers", i, "window"), "missing: mode early decides after `window` tokens")
         if self.name in seen:
@@ -149,7 +196,7 @@ class CascadeConfig:
 # --- the YAML file, with line numbers -----------------------------------------------------------
 
 _TOP_KEYS = {"name", "mode", "original_prompt_only", "review_prompt", "tiers"}
-_TIER_KEYS = {"name", "model", "measure", "threshold", "window", "max_tokens", "top_logprobs"}
+_TIER_KEYS = {"name", "model", "measure", "threshold", "window", "max_tokens", "top_logprobs", "judge"}
 
 
 def _key(path: tuple[str | int, ...]) -> str:
@@ -212,6 +259,9 @@ def parse_cascade(text: str, source: str = "<cascade>") -> CascadeConfig:
                 raise fail(("tiers", i, str(key)), f"unknown key; known: {sorted(_TIER_KEYS)}")
         if "model" not in item:
             raise fail(("tiers", i, "model"), "missing: the model name its workers register")
+        item = dict(item)
+        if "judge" in item:
+            item["judge"] = _judge(item["judge"], ("tiers", i, "judge"), fail)
         try:
             tiers.append(TierConfig(**item))
         except FieldError as err:
@@ -221,6 +271,20 @@ def parse_cascade(text: str, source: str = "<cascade>") -> CascadeConfig:
         return CascadeConfig(tiers=tuple(tiers), source=source, **top)
     except FieldError as err:
         raise fail(err.path, err.message) from None
+
+
+def _judge(data: Any, path: tuple[str | int, ...], fail) -> JudgeConfig:
+    if not isinstance(data, dict):
+        raise fail(path, "must be a mapping (measure, threshold, floor)")
+    for key in data:
+        if key not in _JUDGE_KEYS:
+            raise fail((*path, str(key)), f"unknown key; known: {sorted(_JUDGE_KEYS)}")
+    if "threshold" not in data:
+        raise fail((*path, "threshold"), "missing: the judge's score to accept at")
+    try:
+        return JudgeConfig(**data)
+    except FieldError as err:
+        raise fail((*path, *err.path), err.message) from None
 
 
 def load_cascade(path: str | os.PathLike[str]) -> CascadeConfig:

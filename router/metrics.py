@@ -35,7 +35,8 @@ class RouterMetrics:
         self.cascade_decisions = Counter("kvcascade_cascade_decisions", "Judged cascade trials by tier and outcome "
                                          "(accept, escalate)", ["tier", "outcome"], registry=r)
         self.cascade_escalations = Counter("kvcascade_cascade_escalations", "Escalations away from a tier by reason "
-                                           "(confidence, limit, error, unavailable)", ["tier", "reason"], registry=r)
+                                           "(confidence, judge, limit, error, unavailable)", ["tier", "reason"],
+                                           registry=r)
         self.cascade_answers = Counter("kvcascade_cascade_answers", "Cascade requests by the tier that answered",
                                        ["tier", "escalated"], registry=r)
         self.cascade_tokens = Counter("kvcascade_cascade_tokens", "Tokens generated per tier: kept (sent to the "
@@ -47,6 +48,18 @@ class RouterMetrics:
                                             "tier's measure)", ["tier"],
                                             buckets=(-5, -2, -1, -0.5, -0.25, -0.1, 0, 0.25, 0.5, 0.75, 0.9, 1, 2, 5),
                                             registry=r)
+        self.cascade_judgements = Counter("kvcascade_cascade_judgements", "Drafts of a tier the next tier "
+                                          "judged, by result (accept, reject)", ["tier", "result"], registry=r)
+        self.cascade_judge_score = Histogram("kvcascade_cascade_judge_score", "The judge's score of a tier's "
+                                             "drafts (its measure over the draft tokens)", ["tier"],
+                                             buckets=(-5, -2, -1, -0.5, -0.25, -0.1, 0, 0.25, 0.5, 0.75, 0.9, 1),
+                                             registry=r)
+        # What the cascade costs, per tier: total compute is about 2 x parameters x (prompt - cached
+        # + completion) summed over tiers and roles (answer, trial: escalated from, judge: a prefill).
+        self.cascade_usage_tokens = Counter("kvcascade_cascade_usage_tokens", "Tokens a tier processed for "
+                                            "cascade requests by role (answer, trial, judge) and kind (prompt, "
+                                            "cached: of the prompt, from a prefix cache, completion)",
+                                            ["tier", "role", "kind"], registry=r)
         self.cascade_reloads = Counter("kvcascade_cascade_reloads", "Changed cascade files by result (ok; error: "
                                        "refused, the previous one kept)", ["result"], registry=r)
         self.state_up.set(1)

@@ -346,7 +346,13 @@ class Answer:
 
 def _cascade(msg: pb.GenerateResponse) -> dict[str, Any]:
     """Extension fields of a cascade's answer: the tier that answered, whether it escalated, and
-    (on the last message, where it is known) that tier's confidence. Nothing without a cascade."""
+    (on the last message, where they are known) that tier's confidence and every tier's tokens
+    (``tier_usage``: trials thrown away and judging included). Nothing without a cascade."""
     if not msg.tier:
         return {}
-    return {"tier": msg.tier, "escalated": msg.escalated, "confidence": msg.confidence if msg.finish_reason else None}
+    if not msg.finish_reason:
+        return {"tier": msg.tier, "escalated": msg.escalated, "confidence": None}
+    tiers = [{"tier": u.tier, "model": u.model, "role": u.role, "prompt_tokens": u.prompt_tokens,
+              "cached_tokens": u.cached_tokens, "completion_tokens": u.completion_tokens} for u in msg.tier_usage]
+    judged = {"judge_score": msg.judge_score} if msg.HasField("judge_score") else {}
+    return {"tier": msg.tier, "escalated": msg.escalated, "confidence": msg.confidence, **judged, "tier_usage": tiers}

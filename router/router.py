@@ -119,6 +119,7 @@ class Router:
         self.metrics = metrics or RouterMetrics()
         self.clients = WorkerClients()
         self.tokenizers = Tokenizers(self.config.tokenizer)
+        self._same_vocab: dict[tuple[int, int], bool] = {}  # prompt_ids: tokenizer pairs checked
         self._in_flight: dict[str, int] = defaultdict(int)
         self.prompt_tokens_total = 0  # over finished requests, for Stats
         self.cached_tokens_total = 0
@@ -247,6 +248,28 @@ class Router:
                       for w in pool]
         return ids, self.policy.order(candidates, len(ids))
 
+    async def _tokenizer_of(self, model: str):
+        pool = [w for w in await self.live_workers() if w.model == model]
+        if not pool:
+            raise RouterError(grpc.StatusCode.UNAVAILABLE, f"no live worker serves {model!r}")
+        return await self.tokenizers.of(pool[0])
+
+    async def prompt_ids(self, request: pb.GenerateRequest, model: str, draft_model: str | None = None) -> list[int]:
+        """The request's prompt token ids as ``model``'s workers get them; with ``draft_model`` (a
+        cascade's judge), refused unless its tokenizer has the same vocabulary, since the draft's
+        token ids then go to ``model`` as they are."""
+        tokenizer = await self._tokenizer_of(model)
+        if draft_model is not None and draft_model != model:
+            other = await self._tokenizer_of(draft_model)
+            key = (id(tokenizer), id(other))
+            if key not in self._same_vocab:
+                self._same_vocab[key] = tokenizer is other or tokenizer.get_vocab() == other.get_vocab()
+            if not self._same_vocab[key]:
+                raise RouterError(grpc.StatusCode.FAILED_PRECONDITION,
+                                  f"cascade judge: {model!r} and {draft_model!r} have different vocabularies; "
+                                  "a tier can only judge drafts of its own model family")
+        return await asyncio.to_thread(tokenize, tokenizer, request)
+
     async def generate(self, request: pb.GenerateRequest, timeout: float | None = None
                        ) -> AsyncIterator[pb.GenerateResponse]:
         """Stream one request's answer: through the cascade when it takes the request (a snapshot of
@@ -256,7 +279,8 @@ class Router:
         try:
             timeout = timeout if timeout is not None else self.config.default_timeout_s
             plan = cascade_plan(self.cascade_config, request)
-            answer = (run_cascade(plan, request, self._answer, self.metrics, timeout) if plan is not None
+            answer = (run_cascade(plan, request, self._answer, self.metrics, timeout, self.prompt_ids)
+                      if plan is not None
                       else self._answer(request, timeout))
             # aclosing: a client that leaves cancels the worker call now, not at garbage collection.
             async with contextlib.aclosing(answer) as stream:

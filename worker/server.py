@@ -66,6 +66,9 @@ def _response(out: RequestOutput) -> pb.GenerateResponse:
     for lp in out.logprobs or ():
         top = [pb.TopLogprob(token_id=t, logprob=p) for t, p in lp.top]
         response.logprobs.add(token_id=lp.token_id, logprob=lp.logprob, top=top)
+    for lp in out.prompt_logprobs or ():
+        top = [pb.TopLogprob(token_id=t, logprob=p) for t, p in lp.top]
+        response.prompt_logprobs.add(token_id=lp.token_id, logprob=lp.logprob, top=top)
     if out.finished:
         response.finish_reason = out.finish_reason or ""
         if out.usage is not None:

@@ -12,11 +12,13 @@ import json
 import os
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import grpc
 import httpx
 import pytest
+import torch
 
 from protos import kvcascade_pb2 as pb
 from protos import kvcascade_pb2_grpc as pb_grpc
@@ -294,3 +296,109 @@ def test_an_escalated_tier_can_see_the_draft_it_replaces(stack: Stack, plain) ->
     assert msgs[-1].tier == "large" and msgs[-1].escalated
     # The prompt grew by the draft (an assistant turn) and the review question (a user turn).
     assert msgs[-1].usage.prompt_tokens > plain[-1].usage.prompt_tokens + 4
+
+
+# --- the judge: the next tier scores the draft in one prefill -----------------------------------
+
+
+def judged(judge: dict, own: dict = UNSURE) -> str:
+    return cascade_yaml({**own, "judge": judge})
+
+
+@pytest.fixture(scope="module")
+def hf_model():
+    from transformers import AutoModelForCausalLM
+
+    from contracts.models import resolve_model
+
+    src = resolve_model(MODEL)
+    return AutoModelForCausalLM.from_pretrained(str(src.path.parent), gguf_file=src.path.name, dtype=torch.float32)
+
+
+def roles(msg: pb.GenerateResponse) -> list[tuple[str, str]]:
+    return [(u.tier, u.role) for u in msg.tier_usage]
+
+
+def test_a_judge_that_agrees_keeps_the_draft_and_scores_it_as_transformers_does(
+        stack: Stack, plain, smollm2, hf_model) -> None:
+    stack.use(judged({"threshold": -1e9}))
+    accepted = stack.metric("kvcascade_cascade_judgements_total", tier="small", result="accept")
+    msgs = stack.ask(request(max_tokens=8))
+    assert text(plain).startswith(text(msgs))
+    assert {(m.tier, m.escalated) for m in msgs} == {("small", False)}
+    last = msgs[-1]
+    assert roles(last) == [("large", "judge"), ("small", "answer")]
+    prompt = smollm2.tokenize(messages=[{"role": "user", "content": "What is the capital of France?"}])
+    draft = [t for m in msgs for t in m.token_ids]
+    judge, answer = last.tier_usage
+    assert (judge.prompt_tokens, judge.completion_tokens) == (len(prompt) + len(draft), 1)
+    assert (answer.prompt_tokens, answer.completion_tokens) == (len(prompt), 8)
+    # The score: the draft's mean logprob under the judging model, as transformers computes it.
+    with torch.no_grad():
+        x = torch.tensor([prompt + draft])
+        lp = hf_model(x, attention_mask=torch.ones_like(x)).logits[0].float().log_softmax(-1)
+    want = sum(lp[len(prompt) + i - 1, t].item() for i, t in enumerate(draft)) / len(draft)
+    assert last.HasField("judge_score") and abs(last.judge_score - want) < 2e-3, (last.judge_score, want)
+    assert stack.metric("kvcascade_cascade_judgements_total", tier="small", result="accept") == accepted + 1
+    assert stack.metric("kvcascade_cascade_usage_tokens_total", tier="large", role="judge", kind="prompt") >= \
+        judge.prompt_tokens
+    body = httpx.post(f"{stack.base_url}/v1/chat/completions", timeout=60, json={
+        "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4, "temperature": 0}).json()
+    assert body["tier"] == "small" and body["judge_score"] <= 0
+    assert [(u["tier"], u["role"]) for u in body["tier_usage"]] == [("large", "judge"), ("small", "answer")]
+
+
+def test_a_judge_that_disagrees_escalates(stack: Stack, plain) -> None:
+    stack.use(judged({"threshold": 1e9}))
+    rejected = stack.metric("kvcascade_cascade_escalations_total", tier="small", reason="judge")
+    msgs = stack.ask(request(max_tokens=24))
+    assert text(msgs) == text(plain)
+    assert {(m.tier, m.escalated) for m in msgs} == {("large", True)}
+    assert roles(msgs[-1]) == [("large", "judge"), ("small", "trial"), ("large", "answer")]
+    assert stack.metric("kvcascade_cascade_escalations_total", tier="small", reason="judge") == rejected + 1
+    stack.wait_until_idle()
+
+
+def test_below_the_floor_a_draft_escalates_unjudged_and_above_its_threshold_it_is_kept(stack: Stack) -> None:
+    stack.use(judged({"threshold": -1e9, "floor": 1.01}))  # min_prob never reaches 1.01: never judged
+    judged_before = sum(stack.metric("kvcascade_cascade_judgements_total", tier="small", result=r)
+                        for r in ("accept", "reject"))
+    msgs = stack.ask(request())
+    assert msgs[-1].tier == "large" and roles(msgs[-1]) == [("small", "trial"), ("large", "answer")]
+    stack.use(judged({"threshold": 1e9}, own=SURE))  # sure of itself: no judge asked
+    msgs = stack.ask(request())
+    assert msgs[-1].tier == "small" and roles(msgs[-1]) == [("small", "answer")]
+    assert not msgs[-1].HasField("judge_score")
+    assert sum(stack.metric("kvcascade_cascade_judgements_total", tier="small", result=r)
+               for r in ("accept", "reject")) == judged_before
+
+
+@pytest.mark.parametrize("threshold, tier", [(-1e9, "small"), (1e9, "large")])
+def test_many_judged_requests_at_once(stack: Stack, threshold, tier) -> None:
+    stack.use(judged({"threshold": threshold}))
+    questions = [f"What is {i} plus {i + 3}?" for i in range(10)]
+
+    def ask(q: str, model: str = "") -> list[pb.GenerateResponse]:
+        req = request(model, max_tokens=6)
+        req.messages.messages[0].content = q
+        return stack.ask(req)
+
+    alone = {q: text(ask(q, MODEL)) for q in questions}
+    with ThreadPoolExecutor(len(questions)) as pool:
+        answers = list(pool.map(ask, questions))
+    for q, msgs in zip(questions, answers):
+        assert text(msgs) == alone[q] and msgs[-1].tier == tier
+        assert roles(msgs[-1])[0] == ("large", "judge")
+    stack.wait_until_idle()
+
+
+@pytest.mark.parametrize("text_, line, key", [
+    ("tiers:\n  - model: a\n    judge: {measure: vibes, threshold: 1}\n  - model: b\n", 3, "tiers[0].judge.measure"),
+    ("tiers:\n  - model: a\n    judge:\n      floor: 1\n  - model: b\n", 3, "tiers[0].judge.threshold"),
+    ("tiers:\n  - model: a\n    judge:\n      threshold: 1\n      flor: 2\n  - model: b\n", 5, "tiers[0].judge.flor"),
+    ("tiers:\n  - model: a\n    threshold: 1\n  - model: b\n    judge: {threshold: 1}\n", 5, "tiers[1].judge"),
+])
+def test_a_bad_judge_is_refused_naming_key_and_line(text_: str, line: int, key: str) -> None:
+    with pytest.raises(CascadeConfigError) as err:
+        parse_cascade(text_, "c.yaml")
+    assert (err.value.line, err.value.key) == (line, key), str(err.value)

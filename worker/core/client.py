@@ -320,6 +320,9 @@ class EngineCoreClient:
             logprobs = [TokenLogprob(t, lp, [tuple(x) for x in top]) for t, lp, top in out.logprobs[: len(tokens)]]
         finished = reason is not None
         update = RequestOutput(seq.request_id, list(tokens), take_text_delta(seq, finished), logprobs, finished)
+        if out.prompt_logprobs is not None:
+            update.prompt_logprobs = [TokenLogprob(t, lp, [tuple(x) for x in top])
+                                      for t, lp, top in out.prompt_logprobs]
         if finished:
             req.done = True
             update.finish_reason = reason

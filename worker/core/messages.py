@@ -60,6 +60,8 @@ class CoreOutput(_Msg):
     logprobs: list[tuple[int, float, list[tuple[int, float]]]] | None = None
     finish_reason: str | None = None
     error: str | None = None
+    # params.prompt_logprobs: the prompt tokens' entries, same shape as logprobs, once.
+    prompt_logprobs: list[tuple[int, float, list[tuple[int, float]]]] | None = None
 
 
 class Step(_Msg):

@@ -106,8 +106,11 @@ class EngineCore:
             logprobs = None
             if out.logprobs is not None:
                 logprobs = [(lp.token_id, lp.logprob, lp.top) for lp in out.logprobs]
+            prompt_logprobs = None
+            if out.prompt_logprobs is not None:
+                prompt_logprobs = [(lp.token_id, lp.logprob, lp.top) for lp in out.prompt_logprobs]
             core_outputs.append(CoreOutput(out.request_id, out.new_token_ids, cached, logprobs,
-                                           out.finish_reason if out.finished else None, out.error))
+                                           out.finish_reason if out.finished else None, out.error, prompt_logprobs))
         self.outputs.send(self._encode(Step(core_outputs, engine.stats(), kv_events, snapshot)), copy=False)
 
 

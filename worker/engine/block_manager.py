@@ -60,13 +60,16 @@ class BlockManager:
     def find_cached_prefix(self, seq: Sequence) -> tuple[list[int], list[int]]:
         """(blocks, hashes) of the longest cached prefix of ``seq.token_ids``.
 
-        Stops one token short of the whole sequence so the last token's logits are always computed.
+        Stops one token short of the whole sequence so the last token's logits are always computed,
+        and before the first prompt token whose logprob is wanted (``params.prompt_logprobs``).
         """
         if not self.enable_prefix_caching:
             return [], []
         blocks, hashes = [], []
         parent = ROOT_HASH
         usable = (seq.num_tokens - 1) // self.block_size
+        if seq.params.prompt_logprobs is not None:  # the positions that score prompt tokens are computed
+            usable = min(usable, (seq.prompt_logprobs_next - 1) // self.block_size)
         for i in range(usable):
             parent = hash_block(parent, seq.token_ids[i * self.block_size : (i + 1) * self.block_size], self.model_id)
             block = self.hash_to_block.get(parent)

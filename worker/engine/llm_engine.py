@@ -138,14 +138,14 @@ class LLMEngine:
 
     def _run_plain(self, batch: list[ScheduledSeq]) -> list[RequestOutput]:
         try:
-            sampled = self.runner.run(batch)
+            sampled, prompt = self.runner.run(batch)
         except Exception as exc:  # a failed step fails its batch, never the engine...
             if self.runner.tp.size > 1:
                 # ...except under tensor parallelism: the ranks may now disagree on where they are
                 # in the step's collectives, and only a restart of all of them is safe.
                 raise
             return self._fail(batch, exc)
-        return self._postprocess(batch, sampled)
+        return self._postprocess(batch, sampled, prompt=prompt)
 
     def _fail(self, batch: list[ScheduledSeq], exc: Exception) -> list[RequestOutput]:
         log.error("step failed; failing its %d requests", len(batch), exc_info=exc)
@@ -156,7 +156,8 @@ class LLMEngine:
 
     def _can_look_ahead(self, batch: list[ScheduledSeq]) -> bool:
         return (self.config.async_scheduling and self.runner.tp.size == 1
-                and all(it.seq.params.logprobs is None for it in batch if it.samples))
+                and all(it.seq.params.logprobs is None for it in batch if it.samples)
+                and not any(_wants_prompt_logprobs(it.seq) for it in batch))
 
     def _launch(self, batch: list[ScheduledSeq], prev: _InFlight | None = None) -> None:
         """Launch ``batch`` unread and advance its sequences as if it had run (module docstring)."""
@@ -212,15 +213,19 @@ class LLMEngine:
                 outputs += self._run_plain(batch)
         return outputs
 
-    def _postprocess(self, batch: list[ScheduledSeq], sampled, looked_ahead: bool = False) -> list[RequestOutput]:
+    def _postprocess(self, batch: list[ScheduledSeq], sampled, looked_ahead: bool = False,
+                     prompt: list | None = None) -> list[RequestOutput]:
         """Apply a step's results. ``looked_ahead``: the step was launched by the lookahead, which
-        advanced its sequences already; its sampled tokens are their pending ones."""
+        advanced its sequences already; its sampled tokens are their pending ones. ``prompt``: the
+        prompt logprobs the step computed, per scheduled sequence."""
         outputs = []
         now = time.monotonic()
-        for item, result in zip(batch, sampled):
+        for i, (item, result) in enumerate(zip(batch, sampled)):
             seq = item.seq
             if seq.finished:  # aborted, or finished by the step before (a lookahead step's extra)
                 continue
+            if prompt is not None:
+                seq.prompt_logprobs += prompt[i]
             if not looked_ahead:
                 self._advance(item)
             if result is None:
@@ -264,6 +269,8 @@ class LLMEngine:
             logprobs=seq.pending_logprobs if seq.params.logprobs is not None else None,
             finished=seq.finished,
         )
+        if seq.params.prompt_logprobs is not None and not seq.prompt_logprobs_sent:
+            out.prompt_logprobs, seq.prompt_logprobs_sent = seq.prompt_logprobs, True
         seq.pending_token_ids, seq.pending_logprobs = [], []
         return out
 
@@ -331,6 +338,11 @@ def build_model(config: EngineConfig, source, model_cfg: ModelConfig) -> LlamaFo
 class _InFlight:
     batch: list[ScheduledSeq]
     tokens: PendingTokens  # its tokens, one per sequence, not yet read
+
+
+def _wants_prompt_logprobs(seq: Sequence) -> bool:
+    """Prompt logprobs still to compute: the step takes the plain path, which reads them."""
+    return seq.params.prompt_logprobs is not None and seq.prompt_logprobs_next < seq.num_prompt_tokens
 
 
 def _max_model_len(config: EngineConfig, model_cfg: ModelConfig) -> int:

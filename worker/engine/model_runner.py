@@ -28,6 +28,7 @@ from worker.models.attention import AttentionBackend, AttentionMetadata, forward
 from worker.models.config import ModelConfig
 from worker.models.transfer import to_device
 
+PROMPT_LOGITS_ROWS = 256  # prompt logprobs: LM-head rows at a time
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -53,6 +54,17 @@ class StepInputs:
     # nobody has read (``ahead_rows``), and that token's index among the step before's tokens.
     ahead_rows: list[int] | None = None
     prev_rows: list[int] | None = None
+    # Prompt logprobs (params.prompt_logprobs): the rows scoring a prompt token, that token, how
+    # many rows each scheduled sequence has, and the most alternatives any of them wants.
+    prompt: PromptRows | None = None
+
+
+@dataclass
+class PromptRows:
+    rows: list[int]
+    targets: list[int]
+    counts: list[int]  # per scheduled sequence, in batch order
+    top: int
 
 
 class ModelRunner:
@@ -81,14 +93,15 @@ class ModelRunner:
                                        num_kv_heads=model.kv_heads, device=self.device,
                                        size_step=config.cuda_graph_step)
 
-    def run(self, batch: list[ScheduledSeq]) -> list[tuple[int, TokenLogprob | None] | None]:
-        """One forward pass (rank 0); per scheduled sequence, its sampled token (None for a partial prefill)."""
+    def run(self, batch: list[ScheduledSeq]) -> tuple[list[tuple[int, TokenLogprob | None] | None],
+                                                       list[list[TokenLogprob]] | None]:
+        """One forward pass (rank 0); per scheduled sequence, its sampled token (None for a partial
+        prefill), and when any wants them, per scheduled sequence the prompt logprobs this step computed."""
         inputs = self.prepare(batch)
         self.tp.broadcast_object(inputs)
-        logits = self.execute(inputs)
-        if logits is None:
-            return [None] * len(batch)
-        return self._sample(batch, logits)
+        logits, prompt = self.execute(inputs)
+        sampled = [None] * len(batch) if logits is None else self._sample(batch, logits)
+        return sampled, prompt
 
     def prepare(self, batch: list[ScheduledSeq], prev_index: dict[int, int] | None = None) -> StepInputs:
         """``prev_index`` (the lookahead): id(seq) -> index of its pending token among the tokens of
@@ -100,6 +113,7 @@ class ModelRunner:
         context_lens, block_tables, sample_rows = [], [], []
         ahead_rows: list[int] = []
         prev_rows: list[int] = []
+        prompt = PromptRows([], [], [], 0)
         bs = self.block_size
         for item in batch:
             seq, start, n = item.seq, item.seq.num_computed_tokens, item.num_new_tokens
@@ -118,10 +132,11 @@ class ModelRunner:
             block_tables.append(seq.block_table)
             if item.samples:
                 sample_rows.append(query_start[-1] - 1)
+            prompt.counts.append(_prompt_rows(seq, start, n, query_start[-2], prompt))
         # The scheduler puts single-token steps first; the backend batches that run as decodes.
         num_decodes = next((i for i, it in enumerate(batch) if it.num_new_tokens != 1), len(batch))
         return StepInputs(input_ids, positions, slots, query_start, context_lens, block_tables, num_decodes,
-                          sample_rows, ahead_rows or None, prev_rows or None)
+                          sample_rows, ahead_rows or None, prev_rows or None, prompt if prompt.rows else None)
 
     @torch.inference_mode()
     def launch(self, inputs: StepInputs, samplers: list, prev_tokens: torch.Tensor | None = None) -> "PendingTokens":
@@ -137,20 +152,22 @@ class ModelRunner:
                 ids = to_device(inputs.input_ids, self.device, torch.long)
                 ids.index_copy_(0, to_device(rows, self.device, torch.long),
                                 prev_tokens.index_select(0, to_device(prev, self.device, torch.long)))
-        logits = self.execute(inputs, ids)
+        logits, _ = self.execute(inputs, ids)
         if logits is None:  # prefill chunks only: nothing samples
             return PendingTokens(torch.empty(0, dtype=torch.long, device=self.device))
         return PendingTokens(sample_tokens(logits, [s.params for s in samplers],
                                            [s.generator_on(logits.device) for s in samplers]))
 
     @torch.inference_mode()
-    def execute(self, inputs: StepInputs, ids: torch.Tensor | None = None) -> torch.Tensor | None:
+    def execute(self, inputs: StepInputs, ids: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor | None, list[list[TokenLogprob]] | None]:
         """The forward pass of one step on this rank: logits [len(sample_rows), vocab], or None when
-        no row samples (every rank skips the LM head alike). ``ids``: input ids already on the device."""
+        no row samples (every rank skips the LM head alike); and the prompt logprobs per scheduled
+        sequence when any wants them. ``ids``: input ids already on the device."""
         n = len(inputs.context_lens)
-        if self.graphs is not None and inputs.num_decodes == n and self.graphs.fits(n):
+        if self.graphs is not None and inputs.num_decodes == n and self.graphs.fits(n) and inputs.prompt is None:
             return self.graphs.run(inputs.input_ids, inputs.positions, inputs.slots, inputs.block_tables,
-                                   inputs.context_lens, ids)
+                                   inputs.context_lens, ids), None
         # Host-to-device copies through pinned memory (to_device): with the lookahead a step is
         # prepared while the one before runs, and a pageable copy would wait for it.
         meta = AttentionMetadata(
@@ -169,12 +186,37 @@ class ModelRunner:
         pos_t = to_device(inputs.positions, self.device, torch.long)
         with forward_context(meta):
             hidden = self.model(ids, pos_t)
+        prompt = self._prompt_logprobs(hidden, inputs.prompt) if inputs.prompt is not None else None
         if not inputs.sample_rows:
-            return None
-        return self.model.compute_logits(hidden[to_device(inputs.sample_rows, self.device, torch.long)])
+            return None, prompt
+        return self.model.compute_logits(hidden[to_device(inputs.sample_rows, self.device, torch.long)]), prompt
+
+    def _prompt_logprobs(self, hidden: torch.Tensor, prompt: PromptRows) -> list[list[TokenLogprob]]:
+        """Each prompt row's target token logprob (and top), per scheduled sequence. The LM head
+        runs on slices of rows: a 4k-token prompt's full logits in fp32 would take GBs at once."""
+        rows = to_device(prompt.rows, self.device, torch.long)
+        targets = to_device(prompt.targets, self.device, torch.long)
+        chosen: list[float] = []
+        top_vals: list[list[float]] = []
+        top_ids: list[list[int]] = []
+        for s in range(0, len(prompt.rows), PROMPT_LOGITS_ROWS):
+            lp = self.model.compute_logits(hidden[rows[s : s + PROMPT_LOGITS_ROWS]]).float().log_softmax(dim=-1)
+            chosen += lp.gather(1, targets[s : s + PROMPT_LOGITS_ROWS].unsqueeze(1)).squeeze(1).tolist()
+            if prompt.top:
+                vals, ids = lp.topk(prompt.top, dim=-1)
+                top_vals += vals.tolist()
+                top_ids += ids.tolist()
+        entries = [TokenLogprob(t, c, list(zip(top_ids[i], top_vals[i])) if prompt.top else [])
+                   for i, (t, c) in enumerate(zip(prompt.targets, chosen))]
+        out, at = [], 0
+        for count in prompt.counts:
+            out.append(entries[at : at + count])
+            at += count
+        return out
 
     def follow(self) -> None:
-        """Ranks > 0: run the steps rank 0 broadcasts until it broadcasts None (``close``)."""
+        """Ranks > 0: run the steps rank 0 broadcasts until it broadcasts None (``close``); their
+        logits and prompt logprobs go unread (rank 0 samples)."""
         assert not self.tp.is_driver
         while (inputs := self.tp.broadcast_object()) is not None:
             self.execute(inputs)
@@ -195,6 +237,20 @@ class ModelRunner:
             if item.samples:
                 results[i] = next(it)
         return results
+
+
+def _prompt_rows(seq, start: int, n: int, first_row: int, prompt: PromptRows) -> int:
+    """Add the rows of this chunk (positions [start, start + n), flat rows from ``first_row``) that
+    score a wanted prompt token -- position p scores token p + 1 -- and return how many."""
+    if seq.params.prompt_logprobs is None:
+        return 0
+    lo = max(start, seq.prompt_logprobs_next - 1)
+    hi = min(start + n, seq.num_prompt_tokens - 1)
+    for p in range(lo, hi):
+        prompt.rows.append(first_row + p - start)
+        prompt.targets.append(seq.token_ids[p + 1])
+    prompt.top = max(prompt.top, seq.params.prompt_logprobs)
+    return max(0, hi - lo)
 
 
 class PendingTokens:

@@ -32,6 +32,8 @@ class RequestOutput:
     usage: Usage | None = None  # on the last update
     ttft_s: float | None = None  # on the last update: seconds from arrival to first token
     error: str | None = None  # with finish_reason "error"
+    # params.prompt_logprobs: the prompt tokens' from params.prompt_logprobs_start, on the first update
+    prompt_logprobs: list[TokenLogprob] | None = None
 
     def merged(self, later: "RequestOutput") -> "RequestOutput":
         """This update followed by ``later`` as one (a stream that lags sends what is there at once)."""
@@ -40,7 +42,8 @@ class RequestOutput:
             logprobs = (self.logprobs or []) + (later.logprobs or [])
         return RequestOutput(self.request_id, self.new_token_ids + later.new_token_ids,
                              self.text_delta + later.text_delta, logprobs, later.finished, later.finish_reason,
-                             later.usage, later.ttft_s, later.error)
+                             later.usage, later.ttft_s, later.error,
+                             self.prompt_logprobs if self.prompt_logprobs is not None else later.prompt_logprobs)
 
 
 @dataclass

@@ -22,6 +22,12 @@ class SamplingParams:
     ignore_eos: bool = False
     # None: no logprobs; 0: the chosen token's logprob only; N: also the N most likely tokens.
     logprobs: int | None = None
+    # Logprobs of the prompt's own tokens from index prompt_logprobs_start on (the first token
+    # has none): None: not wanted; 0: each token's logprob only; N: also the N most likely tokens.
+    # A cascade's judge scores a draft this way. The positions before the start may come from the
+    # prefix cache; those from it are computed.
+    prompt_logprobs: int | None = None
+    prompt_logprobs_start: int = 1
     detokenize: bool = True  # False: token ids only (no text, no stop strings), saves CPU per token
 
     def validate(self) -> None:
@@ -35,6 +41,11 @@ class SamplingParams:
             raise InvalidRequestError("top_k", f"must be >= 0 (0 disables it), got {self.top_k!r}")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
             raise InvalidRequestError("logprobs", f"must be in [0, {MAX_TOP_LOGPROBS}], got {self.logprobs!r}")
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= MAX_TOP_LOGPROBS:
+            raise InvalidRequestError("prompt_logprobs",
+                                      f"must be in [0, {MAX_TOP_LOGPROBS}], got {self.prompt_logprobs!r}")
+        if not isinstance(self.prompt_logprobs_start, int) or self.prompt_logprobs_start < 0:
+            raise InvalidRequestError("prompt_logprobs_start", f"must be >= 0, got {self.prompt_logprobs_start!r}")
         if self.stop and not self.detokenize:
             raise InvalidRequestError("stop", "stop strings need detokenize=True")
         if any(not s for s in self.stop):

@@ -49,6 +49,10 @@ class Sequence:
     read_offset: int = 0
     pending_token_ids: list[int] = field(default_factory=list)  # produced, not yet handed out
     pending_logprobs: list[TokenLogprob] = field(default_factory=list)
+    # params.prompt_logprobs: entries for prompt tokens from the start on, as steps compute them;
+    # handed out once, with the first output.
+    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
+    prompt_logprobs_sent: bool = False
 
     def __post_init__(self) -> None:
         if not self.token_ids:
@@ -61,6 +65,12 @@ class Sequence:
         if self.generator is None:
             self.generator = torch.Generator(device=device).manual_seed(self.params.seed)
         return self.generator
+
+    @property
+    def prompt_logprobs_next(self) -> int:
+        """The prompt token whose logprob is wanted next (params.prompt_logprobs): the position
+        before it must be computed, not taken from the prefix cache."""
+        return max(self.params.prompt_logprobs_start, 1) + len(self.prompt_logprobs)
 
     @property
     def num_prompt_tokens(self) -> int:
