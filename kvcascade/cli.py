@@ -196,6 +196,14 @@ def build_parser() -> argparse.ArgumentParser:
     _add_generate_flags(generate)
     from loadtest.cli import add_arguments as add_loadtest_arguments  # argparse only: cheap
 
+    from kvcascade.calibrate import add_arguments as add_cascade_arguments
+
+    add_cascade_arguments(commands.add_parser(
+        "cascade", help="cascade tools: calibrate a cascade file on labelled tasks",
+        description="Tools for the cascade file (router --cascade): `calibrate` finds the cheapest setting "
+                    "that keeps a target share of the last tier's quality on labelled tasks.",
+    ))  # fmt: skip
+
     add_loadtest_arguments(commands.add_parser(
         "loadtest", help="run a load-test scenario against a server (or compare several)",
         description="Send a scenario's workload (YAML) over gRPC or OpenAI-style HTTP and report TTFT, TPOT, "
@@ -344,6 +352,10 @@ def main(argv: list[str] | None = None) -> int:
         hide_torch()
     if args.command == "generate":
         return _generate(args)
+    if args.command == "cascade":
+        from kvcascade.calibrate import main as cascade_main
+
+        return cascade_main(args)
     if args.command == "loadtest":
         from loadtest.cli import main as loadtest_main
 

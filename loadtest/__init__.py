@@ -3,6 +3,7 @@
     scenario.py   the YAML schema: workload, arrivals, bounds, SLO (validated, one source of defaults)
     text.py       synthetic prompt text, reproducible by seed
     workload.py   a scenario's requests as sessions of one or more turns
+    tasks.py      labelled tasks (prompt, known answer, scorer): accuracy of a run, cascade calibration
     clients.py    gRPC (grpc.aio) and HTTP (httpx, server-sent events) clients; targets
     runner.py     arrivals (closed loop, Poisson, bursts), the request and time bounds, progress
     processes.py  a run spread over N processes (--processes): the split, and the merge of their records

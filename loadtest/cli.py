@@ -28,7 +28,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "else gRPC); repeat with NAME= for compare (default: grpc://127.0.0.1:50051)")
     parser.add_argument("--scenario", required=True,
                         help="a scenario YAML file, or the name of a bundled one (loadtest/scenarios/): "
-                             "shared-prefix-chat, multi-turn, random-lengths, cascade-mix")
+                             "shared-prefix-chat, multi-turn, random-lengths, cascade-mix, cascade-tasks")
     parser.add_argument("--out", type=Path, default=Path("loadtest-out"),
                         help="folder for summary.json, requests.jsonl and the plots (default: %(default)s)")
     parser.add_argument("--api-key", default=os.environ.get("KVCASCADE_API_KEY"),

@@ -5,15 +5,17 @@ Each client sends one workload request, streams the answer and fills in the requ
 TTFT at the first message carrying a token, usage (prompt, cached and completion tokens) from
 the last message, and, when the server says, which worker answered and which cascade tier.
 
-Cascade fields: gRPC ``GenerateResponse.tier`` / ``.escalated`` once the proto has them;
-over HTTP, top-level ``tier`` / ``escalated`` (and ``worker_id``) keys on any chunk. A server that
-sends none leaves them unset, and the report says n/a.
+Cascade fields: gRPC ``GenerateResponse.tier`` / ``.escalated`` / ``.tier_usage`` once the proto
+has them; over HTTP, top-level ``tier`` / ``escalated`` / ``tier_usage`` (and ``worker_id``) keys on
+any chunk. A server that sends none leaves them unset, and the report says n/a.
 """
 
 from __future__ import annotations
 
 import json
 import time
+from collections import Counter
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -72,6 +74,17 @@ def make_client(target: Target, scenario: Scenario, api_key: str | None = None) 
     return HttpClient(target.address, scenario, api_key)
 
 
+def tier_tokens(usages: Iterable[Mapping[str, Any]]) -> dict[str, dict[str, int]] | None:
+    """A cascade's ``tier_usage`` entries as the tokens each tier computed, by role: prompt tokens
+    not served from its cache plus completion tokens, so a judge's prefill counts and a cache hit
+    does not. None for no entries (no cascade answered)."""
+    by_tier: dict[str, Counter[str]] = {}
+    for u in usages:
+        computed = (u.get("prompt_tokens") or 0) - (u.get("cached_tokens") or 0) + (u.get("completion_tokens") or 0)
+        by_tier.setdefault(str(u.get("tier", "")), Counter())[str(u.get("role", ""))] += computed
+    return {tier: dict(roles) for tier, roles in by_tier.items()} or None
+
+
 def _seed(scenario: Scenario, req: Request) -> int | None:
     """A per-request sampling seed, so a sampled (temperature > 0) run repeats too."""
     if scenario.sampling.temperature == 0:
@@ -87,6 +100,7 @@ class GrpcClient:
         self.metadata = (("authorization", f"Bearer {api_key}"),) if api_key else ()
         fields = pb.GenerateResponse.DESCRIPTOR.fields_by_name
         self.has_tier, self.has_escalated = "tier" in fields, "escalated" in fields
+        self.has_tier_usage = "tier_usage" in fields
 
     def _message(self, req: Request) -> pb.GenerateRequest:
         s = self.scenario.sampling
@@ -138,6 +152,9 @@ class GrpcClient:
         if tier:  # no tier: no cascade answered, so "not escalated" would say nothing
             rec.tier = tier
             rec.escalated = bool(msg.escalated) if self.has_escalated else None
+        if self.has_tier_usage:
+            rec.tier_tokens = tier_tokens({f.name: getattr(u, f.name) for f in u.DESCRIPTOR.fields}
+                                          for u in msg.tier_usage)
 
     async def aclose(self) -> None:
         await self.channel.close()
@@ -227,6 +244,8 @@ class HttpClient:
             rec.tier = str(chunk["tier"])
         if chunk.get("escalated") is not None:
             rec.escalated = bool(chunk["escalated"])
+        if chunk.get("tier_usage"):
+            rec.tier_tokens = tier_tokens(chunk["tier_usage"])
 
     async def aclose(self) -> None:
         await self.http.aclose()

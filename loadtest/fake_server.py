@@ -1,9 +1,11 @@
 """A server that only streams, to measure the harness rather than a server: the KVCascade
 Generate service (grpc.aio) and OpenAI-style HTTP with server-sent events, each answering every
 request with ``max_tokens`` made-up tokens as fast as it can, with no model behind them; or,
-with ``--interval-ms X``, one message every X ms, as an engine streams one step at a time.
+with ``--interval-ms X``, one message every X ms, as an engine streams one step at a time. With
+``--cascade`` the last message says what a router's two-tier cascade would (see ``cascade_usage``).
 
-    python -m loadtest.fake_server --port 50051 --http-port 8000 [--tokens-per-message 1] [--interval-ms 20]
+    python -m loadtest.fake_server --port 50051 --http-port 8000 [--tokens-per-message 1] [--interval-ms 20] \
+        [--cascade]
 
 Several of them may share the ports (SO_REUSEPORT): the kernel spreads the connections, so a
 fake server of N processes keeps up with a harness of N. benchmarks/loadtest_capacity.py and the
@@ -16,6 +18,7 @@ import argparse
 import asyncio
 import json
 import sys
+from typing import Any
 
 import grpc
 
@@ -53,10 +56,20 @@ def _prompt_tokens(words: str) -> int:
     return len(words.split())  # about one token a word: loadtest/text.py's words
 
 
+def cascade_usage(prompt_tokens: int, completion_tokens: int) -> list[dict[str, Any]]:
+    """The ``tier_usage`` of a two-tier cascade whose small tier answered and whose large tier
+    judged the draft in one prefill (the prompt and the draft, nothing generated) and let it stand."""
+    return [{"tier": "small", "model": "fake-small", "role": "answer", "prompt_tokens": prompt_tokens,
+             "cached_tokens": 0, "completion_tokens": completion_tokens},
+            {"tier": "large", "model": "fake-large", "role": "judge",
+             "prompt_tokens": prompt_tokens + completion_tokens, "cached_tokens": 0, "completion_tokens": 0}]
+
+
 class FakeServicer(pb_grpc.KVCascadeServicer):
-    def __init__(self, tokens_per_message: int = 1, interval_s: float = 0.0):
+    def __init__(self, tokens_per_message: int = 1, interval_s: float = 0.0, cascade: bool = False):
         self.k = tokens_per_message
         self.interval_s = interval_s
+        self.cascade = cascade
         self.chunk = pb.GenerateResponse(token_ids=[7] * self.k, text=" tok" * self.k)  # sent as is, every time
 
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> None:
@@ -67,11 +80,14 @@ class FakeServicer(pb_grpc.KVCascadeServicer):
             await steps.next()
             await context.write(self.chunk)
         rest = n - (n - 1) // self.k * self.k
-        prompt = request.text or " ".join(m.content for m in request.messages.messages)
+        prompt = _prompt_tokens(request.text or " ".join(m.content for m in request.messages.messages))
+        last = pb.GenerateResponse(token_ids=[7] * rest, text=" tok" * rest, finish_reason="length", worker_id="fake",
+                                   usage=pb.Usage(prompt_tokens=prompt, completion_tokens=n))
+        if self.cascade:
+            last.tier, last.escalated = "small", False
+            last.tier_usage.extend(pb.TierUsage(**u) for u in cascade_usage(prompt, n))
         await steps.next()
-        await context.write(pb.GenerateResponse(
-            token_ids=[7] * rest, text=" tok" * rest, finish_reason="length", worker_id="fake",
-            usage=pb.Usage(prompt_tokens=_prompt_tokens(prompt), completion_tokens=n)))
+        await context.write(last)
 
 
 def _sse(data: dict | str) -> bytes:
@@ -83,9 +99,10 @@ def _sse(data: dict | str) -> bytes:
 class FakeHttp:
     """/v1/completions and /v1/chat/completions, streamed over keep-alive connections."""
 
-    def __init__(self, tokens_per_message: int = 1, interval_s: float = 0.0):
+    def __init__(self, tokens_per_message: int = 1, interval_s: float = 0.0, cascade: bool = False):
         self.k = tokens_per_message
         self.interval_s = interval_s
+        self.cascade = cascade
         text = " tok" * self.k
         self.chunk = {False: _sse({"choices": [{"index": 0, "text": text, "finish_reason": None}]}),
                       True: _sse({"choices": [{"index": 0, "delta": {"content": text}, "finish_reason": None}]})}
@@ -118,34 +135,37 @@ class FakeHttp:
         if rest:  # else the finish goes with the last token's step, as a worker's does
             await steps.next()
         piece = {"delta": {"content": " tok" * rest}} if chat else {"text": " tok" * rest}
-        writer.write(_sse({"choices": [{"index": 0, **piece, "finish_reason": "length"}]}))
-        prompt = " ".join(m["content"] for m in req["messages"]) if chat else req.get("prompt", "")
-        usage = {"prompt_tokens": _prompt_tokens(prompt), "completion_tokens": n,
-                 "prompt_tokens_details": {"cached_tokens": 0}}
+        prompt = _prompt_tokens(" ".join(m["content"] for m in req["messages"]) if chat else req.get("prompt", ""))
+        # A cascade's fields go on the finish chunk, as the router's do.
+        cascade = {"tier": "small", "escalated": False, "tier_usage": cascade_usage(prompt, n)} if self.cascade else {}
+        writer.write(_sse({"choices": [{"index": 0, **piece, "finish_reason": "length"}], **cascade}))
+        usage = {"prompt_tokens": prompt, "completion_tokens": n, "prompt_tokens_details": {"cached_tokens": 0}}
         writer.write(_sse({"choices": [], "usage": usage}) + _sse("[DONE]") + b"0\r\n\r\n")
         await writer.drain()
 
 
 async def start(host: str = "127.0.0.1", port: int = 0, http_port: int | None = 0, tokens_per_message: int = 1,
-                *, interval_ms: float = 0.0) -> tuple[grpc.aio.Server, asyncio.Server | None, int, int | None]:
+                *, interval_ms: float = 0.0, cascade: bool = False
+                ) -> tuple[grpc.aio.Server, asyncio.Server | None, int, int | None]:
     """Both servers listening (port 0: a free one); returns them and their ports. ``http_port``
-    None: no HTTP server. ``interval_ms``: the pause between one stream's messages (0: none)."""
+    None: no HTTP server. ``interval_ms``: the pause between one stream's messages (0: none).
+    ``cascade``: answer as a router's cascade (``cascade_usage``)."""
     if interval_ms < 0:
         raise ValueError(f"interval_ms must be >= 0, got {interval_ms}")
     server = grpc.aio.server(options=[("grpc.so_reuseport", 1)])
-    pb_grpc.add_KVCascadeServicer_to_server(FakeServicer(tokens_per_message, interval_ms / 1000), server)
+    pb_grpc.add_KVCascadeServicer_to_server(FakeServicer(tokens_per_message, interval_ms / 1000, cascade), server)
     port = server.add_insecure_port(f"{host}:{port}")
     await server.start()
     if http_port is None:
         return server, None, port, None
-    http = await asyncio.start_server(FakeHttp(tokens_per_message, interval_ms / 1000).connection, host, http_port,
-                                      reuse_port=True)
+    http = await asyncio.start_server(FakeHttp(tokens_per_message, interval_ms / 1000, cascade).connection, host,
+                                      http_port, reuse_port=True)
     return server, http, port, http.sockets[0].getsockname()[1]
 
 
 async def _serve(args: argparse.Namespace) -> None:
     server, http, port, http_port = await start(args.host, args.port, args.http_port, args.tokens_per_message,
-                                                interval_ms=args.interval_ms)
+                                                interval_ms=args.interval_ms, cascade=args.cascade)
     print(f"fake server: grpc {args.host}:{port}, http {args.host}:{http_port}", flush=True)
     await server.wait_for_termination()
 
@@ -161,6 +181,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--interval-ms", type=float, default=0.0,
                         help="milliseconds between the messages of one stream, like an engine step (default: "
                              "%(default)s, as fast as it can)")
+    parser.add_argument("--cascade", action="store_true",
+                        help="answer as a two-tier cascade: tier, escalated and tier_usage on the last message")
     try:
         asyncio.run(_serve(parser.parse_args(argv)))
     except KeyboardInterrupt:

@@ -8,6 +8,11 @@
 
 Requests still running when the run's time bound hits are cancelled and counted as cut off:
 they are neither errors nor part of the latency, throughput or goodput figures.
+
+    accuracy        of the scored answers (a tasks workload), the share that were right
+    cascade tokens  per tier, the tokens it computed (prompt not served from its cache, plus
+                    completion) by role: answer, trial (an escalated attempt thrown away) or
+                    judge (scoring the draft of the tier before it), and in total
 """
 
 from __future__ import annotations
@@ -44,6 +49,9 @@ class RequestRecord:
     server_ttft_s: float | None = None  # gRPC: the worker's own TTFT, from its arrival to its first token
     tier: str | None = None  # set by a cascade (absent today: reported n/a)
     escalated: bool | None = None
+    # A cascade's tier_usage: per tier, tokens computed by role ({"small": {"answer": 40}, "large": {"judge": 35}}).
+    tier_tokens: dict[str, dict[str, int]] | None = None
+    correct: bool | None = None  # the answer scored against a labelled task's; None: not a task
 
     @property
     def ok(self) -> bool:
@@ -127,6 +135,8 @@ def summarize(records: Sequence[RequestRecord], slo: Slo, duration_s: float) -> 
                    "cached_fraction": cached / prompt if prompt else None,
                    "requests_with_cache_hits": sum((r.cached_tokens or 0) > 0 for r in ok)},
         **_cascade(ok),
+        "accuracy": _accuracy(ok),
+        "cascade_tokens": _cascade_tokens(ok),
         "workers": _share(workers) if workers else None,
     }
     tags = sorted({r.tag for r in records if r.tag})
@@ -143,10 +153,27 @@ def _cascade(ok: list[RequestRecord]) -> dict[str, Any]:
     return {"tiers": _share(tiers) if tiers else None, "escalation_rate": rate}
 
 
+def _accuracy(ok: list[RequestRecord]) -> float | None:
+    """The share of the scored answers that were right; None when none was scored (no tasks)."""
+    scored = [r.correct for r in ok if r.correct is not None]
+    return sum(scored) / len(scored) if scored else None
+
+
+def _cascade_tokens(ok: list[RequestRecord]) -> dict[str, dict[str, int]] | None:
+    """Per tier (in the order first seen), the tokens computed by role and in total: what the
+    answers cost, trials and judging included. None when no answer said."""
+    by_tier: dict[str, Counter[str]] = {}
+    for r in ok:
+        for tier, roles in (r.tier_tokens or {}).items():
+            by_tier.setdefault(tier, Counter()).update(roles)
+    return {tier: {**dict(sorted(c.items())), "total": c.total()} for tier, c in by_tier.items()} or None
+
+
 def _tag_summary(records: list[RequestRecord]) -> dict[str, Any]:
     ok = [r for r in records if r.ok]
     return {"sent": len(records), "ok": len(ok),
-            "e2e_p50_s": percentile([r.e2e_s for r in ok if r.e2e_s is not None], 50), **_cascade(ok)}
+            "e2e_p50_s": percentile([r.e2e_s for r in ok if r.e2e_s is not None], 50), **_cascade(ok),
+            "accuracy": _accuracy(ok)}
 
 
 def throughput_series(records: Sequence[RequestRecord], bin_s: float = 1.0) -> dict[str, list[float]]:

@@ -45,6 +45,22 @@ def _goodput(s: dict[str, Any]) -> str:
     return f"{g['requests']} ({frac}), {_num(g['per_s'])}/s"
 
 
+def _count(n: int) -> str:
+    return str(n) if abs(n) < 1000 else f"{n / 1000:.1f}k" if abs(n) < 1_000_000 else f"{n / 1_000_000:.1f}M"
+
+
+def _tier_tokens(s: dict[str, Any]) -> str:
+    """Each tier's computed tokens, and in brackets those of them not spent on answers: ``small
+    12.3k, large 4.1k (judge 2.0k, trial 300)``."""
+    if s["cascade_tokens"] is None:
+        return NA
+    cells = []
+    for tier, roles in s["cascade_tokens"].items():
+        extra = ", ".join(f"{role} {_count(n)}" for role, n in roles.items() if role not in ("answer", "total"))
+        cells.append(f"{tier} {_count(roles['total'])}" + (f" ({extra})" if extra else ""))
+    return ", ".join(cells)
+
+
 def _cached(s: dict[str, Any]) -> str:
     t = s["tokens"]
     frac = "" if t["cached_fraction"] is None else f" ({t['cached_fraction']:.0%})"
@@ -65,6 +81,8 @@ _ROWS: list[tuple[str, Callable[[dict[str, Any]], str]]] = [
     ("errors by status", lambda s: ", ".join(f"{k} x{v}" for k, v in s["errors_by_status"].items()) or "-"),
     ("tier mix", lambda s: _shares(s["tiers"])),
     ("escalation rate", lambda s: NA if s["escalation_rate"] is None else f"{s['escalation_rate']:.0%}"),
+    ("accuracy", lambda s: NA if s["accuracy"] is None else f"{s['accuracy']:.1%}"),
+    ("tier tokens", _tier_tokens),
     ("worker share", lambda s: _shares(s["workers"])),
     ("harness processes, busiest", lambda s: "{}, {}".format(
         s["harness"]["processes"], "-" if s["harness"]["loop_busy"] is None else f"{s['harness']['loop_busy']:.0%}")),
@@ -83,7 +101,8 @@ def table(scenario: Scenario, summaries: dict[str, dict[str, Any]]) -> str:
                 return "-"
             tiers = "" if t["tiers"] is None else f", tiers {_shares(t['tiers'])}"
             esc = "" if t["escalation_rate"] is None else f", escalated {t['escalation_rate']:.0%}"
-            return f"{t['ok']}/{t['sent']} ok, E2E p50 {_ms(t['e2e_p50_s'])} ms{tiers}{esc}"
+            acc = "" if t["accuracy"] is None else f", accuracy {t['accuracy']:.0%}"
+            return f"{t['ok']}/{t['sent']} ok, E2E p50 {_ms(t['e2e_p50_s'])} ms{tiers}{esc}{acc}"
         rows.append((f"tag {tag}", [cell(s) for s in summaries.values()]))
     header = ("", list(summaries))
     widths = [max(len(r[0]) for r in [header, *rows])]

@@ -19,6 +19,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol, TextIO
 
+from loadtest.tasks import score
 from loadtest.clients import Client, Target, make_client
 from loadtest.metrics import CUT_OFF, OK, RequestRecord, summarize
 from loadtest.scenario import Scenario
@@ -174,7 +175,11 @@ class _Run:
             self.in_flight -= 1
             self.ok += rec.ok and rec.e2e_s is not None
             self.failed += rec.status not in (OK, CUT_OFF)
-        return answer if rec.status == OK else None
+        if rec.status != OK or answer is None:
+            return None
+        if session.task is not None:
+            rec.correct = score(session.task, answer)
+        return answer
 
     async def cancel_all(self) -> None:
         for task in list(self.tasks):

@@ -7,7 +7,7 @@ with its full path (``workload.prefix_wrds: unknown key (did you mean 'prefix_wo
     name, seed, protocol, api, model, max_requests, max_duration_s, request_timeout_s
     sampling:  max_tokens, temperature, ignore_eos
     arrival:   kind: closed (concurrency) | poisson (rate) | burst (size, interval_s)
-    workload:  kind: random | shared_prefix | multi_turn | cascade_mix | fixed, and its keys
+    workload:  kind: random | shared_prefix | multi_turn | cascade_mix | fixed | tasks, and its keys
     slo:       ttft_s, tpot_s, e2e_s
 """
 
@@ -24,7 +24,10 @@ from typing import Any, ClassVar
 
 import yaml
 
+from loadtest.tasks import Task, load_tasks
+
 SCENARIO_DIR = Path(__file__).parent / "scenarios"
+REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
 class ScenarioError(ValueError):
@@ -153,9 +156,29 @@ class FixedWorkload:
     output_tokens: Range | None = None
 
 
+@dataclass(frozen=True)
+class TasksWorkload:
+    """The labelled tasks of a JSON Lines file (loadtest/tasks.py), each sent once in a seeded
+    shuffled order and tagged with its kind; every answer is scored against the task's, so a run
+    weighs a cascade's accuracy against what it computed under load."""
+
+    kind: ClassVar[str] = "tasks"
+    file: str = ""
+    output_tokens: Range | None = None
+
+    def tasks(self) -> list[Task]:
+        """The file's tasks. A relative path is looked up in the current directory, then in the
+        repository root, so a bundled scenario runs from anywhere. Raises OSError or TaskFileError."""
+        path = Path(self.file)
+        if not path.is_absolute() and not path.exists():
+            path = REPO_ROOT / path
+        return load_tasks(path)
+
+
 WORKLOADS: dict[str, type] = {w.kind: w for w in (RandomWorkload, SharedPrefixWorkload, MultiTurnWorkload,
-                                                   CascadeMixWorkload, FixedWorkload)}
-Workload = RandomWorkload | SharedPrefixWorkload | MultiTurnWorkload | CascadeMixWorkload | FixedWorkload
+                                                   CascadeMixWorkload, FixedWorkload, TasksWorkload)}
+Workload = (RandomWorkload | SharedPrefixWorkload | MultiTurnWorkload | CascadeMixWorkload | FixedWorkload
+            | TasksWorkload)
 
 
 def _validate_workload(w: Workload, key: str) -> None:
@@ -175,6 +198,20 @@ def _validate_workload(w: Workload, key: str) -> None:
         _check(w.think_time_s >= 0, f"{key}.think_time_s", "must be >= 0")
     if isinstance(w, FixedWorkload):
         _check(len(w.prompts) > 0, f"{key}.prompts", "needs at least one prompt")
+    if isinstance(w, TasksWorkload):
+        _validate_task_file(w, key)
+
+
+def _validate_task_file(w: TasksWorkload, key: str) -> None:
+    """Load the tasks once up front, so a missing or bad file fails before any request is sent."""
+    _check(bool(w.file), f"{key}.file", "required: a JSON Lines file of tasks")
+    try:
+        w.tasks()
+    except OSError as err:
+        where = "" if Path(w.file).is_absolute() else f" (looked in the current directory, then in {REPO_ROOT})"
+        raise ScenarioError(f"{key}.file: cannot read {w.file!r}: {err.strerror}{where}") from None
+    except ValueError as err:  # TaskFileError (file:line: field: why), or a file that is not UTF-8
+        raise ScenarioError(f"{key}.file: {err}") from None
 
 
 # --- the scenario ------------------------------------------------------------------------------------

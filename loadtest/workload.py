@@ -1,6 +1,7 @@
 """Workloads: a scenario's requests, as sessions of one or more turns, reproducible by seed.
 
-A single request is a session of one turn. A multi-turn session hands out its next turn only
+A single request is a session of one turn; a labelled task (the tasks kind) is one, carrying
+the task so that its answer can be scored. A multi-turn session hands out its next turn only
 after the previous answer is in, because the next prompt carries that answer: the conversation
 grows by the model's actual words, as a chat client's would.
 """
@@ -11,6 +12,7 @@ import random
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
+from loadtest.tasks import Task
 from loadtest import text
 from loadtest.scenario import (
     CascadeMixWorkload,
@@ -20,6 +22,7 @@ from loadtest.scenario import (
     Range,
     Scenario,
     SharedPrefixWorkload,
+    TasksWorkload,
 )
 
 
@@ -31,7 +34,7 @@ class Request:
     turn: int
     messages: list[dict[str, str]]
     max_tokens: int
-    tag: str = ""  # easy | hard in a cascade mix
+    tag: str = ""  # easy | hard in a cascade mix, the task's kind in a tasks workload
 
     def as_text(self) -> str:
         """The conversation as one raw completion prompt (``api: completion``)."""
@@ -53,6 +56,7 @@ class Session:
     tag: str = ""
     think_time_s: float = 0.0
     history: list[dict[str, str]] = field(default_factory=list)  # earlier turns, answers included
+    task: Task | None = None  # tasks workload: the answer is scored against this task's
 
     @property
     def turns(self) -> int:
@@ -74,7 +78,7 @@ def _draw(rng: random.Random, r: Range | None, default: int) -> int:
 
 def sessions(scenario: Scenario) -> Iterator[Session]:
     """The scenario's sessions in order; endless for the random and cascade-mix kinds (the run's
-    max_requests bounds them)."""
+    max_requests bounds them), one per task for the tasks kind."""
     w, rng, default = scenario.workload, random.Random(scenario.seed), scenario.sampling.max_tokens
     if isinstance(w, RandomWorkload):
         for i in range(1 << 62):
@@ -106,5 +110,10 @@ def sessions(scenario: Scenario) -> Iterator[Session]:
             for _ in range(w.repeat):
                 yield Session(i, [prompt], [_draw(rng, w.output_tokens, default)])
                 i += 1
+    elif isinstance(w, TasksWorkload):
+        tasks = w.tasks()
+        rng.shuffle(tasks)
+        for i, task in enumerate(tasks):
+            yield Session(i, [task.prompt], [_draw(rng, w.output_tokens, default)], tag=task.kind, task=task)
     else:
         raise TypeError(f"unknown workload {w!r}")

@@ -3,6 +3,7 @@
 Each measure is one small class behind one interface, chosen by name in the cascade file:
 
     mean_logprob   mean log-probability of the chosen tokens            (higher: surer)
+    sum_logprob    log-probability of the whole answer (or window)      (higher: surer)
     min_prob       probability of the least likely chosen token         (higher: surer)
     mean_entropy   mean entropy of the next-token distribution, in nats (lower: surer)
 
@@ -45,6 +46,18 @@ class MeanLogprob:
         return sum(lp.logprob for lp in logprobs) / len(logprobs)
 
 
+class SumLogprob:
+    """The answer's own probability: unlike the mean, a longer answer must be surer at every
+    token to score as high (on the calibration tasks it separated right from wrong answers best)."""
+
+    name = "sum_logprob"
+    higher_is_surer = True
+    top_logprobs = 0
+
+    def score(self, logprobs: Sequence[pb.TokenLogprob]) -> float:
+        return sum(lp.logprob for lp in logprobs)
+
+
 class MinProb:
     name = "min_prob"
     higher_is_surer = True
@@ -74,7 +87,7 @@ def _entropy(lp: pb.TokenLogprob) -> float:
     return -sum(w / total * math.log(w / total) for w in weights if w > 0)
 
 
-MEASURES = {m.name: m for m in (MeanLogprob, MinProb, MeanEntropy)}
+MEASURES = {m.name: m for m in (MeanLogprob, SumLogprob, MinProb, MeanEntropy)}
 
 
 def create_measure(name: str, top_logprobs: int = 20) -> ConfidenceMeasure:

@@ -1,4 +1,4 @@
-"""Write deploy/cascade_tasks.jsonl: labelled short-answer tasks for calibrating the cascade (see kvcascade.tasks).
+"""Write deploy/cascade_tasks.jsonl: labelled short-answer tasks for calibrating the cascade (see loadtest.tasks).
 
 Deterministic (random.Random(0), no network, no models), so the shipped file can be checked against a fresh run.
 Every answer is computed here or taken from a small table of well-known, unambiguous facts; the kinds range from easy
@@ -18,7 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvcascade.tasks import Task, score
+from loadtest.tasks import Task, score
 
 OUT = Path(__file__).resolve().parents[1] / "deploy" / "cascade_tasks.jsonl"
 NUMBER_ONLY = "Reply with the number only."

@@ -10,7 +10,7 @@ from types import ModuleType
 
 import pytest
 
-from kvcascade.tasks import Task, TaskFileError, load_tasks, normalise, score
+from loadtest.tasks import Task, TaskFileError, load_tasks, normalise, score
 
 REPO = Path(__file__).resolve().parents[1]
 SHIPPED = REPO / "deploy" / "cascade_tasks.jsonl"

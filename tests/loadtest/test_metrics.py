@@ -79,6 +79,7 @@ def test_summary_adds_up() -> None:
     assert s["ttft_s"]["n"] == 3 and s["ttft_s"]["p50"] == pytest.approx(0.1)
     assert s["workers"] == {"w1": pytest.approx(2 / 3), "w2": pytest.approx(1 / 3)}
     assert s["tiers"] is None and s["escalation_rate"] is None  # no cascade reported: n/a
+    assert s["accuracy"] is None and s["cascade_tokens"] is None  # nothing scored, no tier usage: n/a
     assert s["tags"]["easy"]["sent"] == 4 and s["tags"]["easy"]["ok"] == 2 and s["tags"]["hard"]["ok"] == 1
 
 
@@ -88,6 +89,23 @@ def test_tier_mix_and_escalation_rate_when_reported() -> None:
     s = summarize(records, Slo(), 1.0)
     assert s["tiers"] == {"large": 0.5, "small": 0.5}
     assert s["escalation_rate"] == 0.5
+
+
+def test_accuracy_and_cascade_tokens_of_the_successful_requests() -> None:
+    records = [
+        rec(0, tag="add", correct=True, tier_tokens={"small": {"answer": 40}, "large": {"judge": 35}}),
+        rec(1, tag="add", correct=False, tier_tokens={"small": {"trial": 30}, "large": {"judge": 5, "answer": 20}}),
+        rec(2, tag="fact", correct=True),  # scored, but no cascade answered
+        rec(3, tag="fact", tier_tokens={"large": {"answer": 7}}),  # not scored
+        rec(4, tag="fact", status="UNAVAILABLE", ttft=None, e2e=None, correct=False,
+            tier_tokens={"small": {"answer": 1000}}),  # a failure counts in neither
+    ]
+    s = summarize(records, Slo(), 1.0)
+    assert s["accuracy"] == pytest.approx(2 / 3)
+    assert s["cascade_tokens"] == {"small": {"answer": 40, "trial": 30, "total": 70},
+                                   "large": {"answer": 27, "judge": 40, "total": 67}}
+    assert list(s["cascade_tokens"]) == ["small", "large"]  # the order first seen
+    assert s["tags"]["add"]["accuracy"] == 0.5 and s["tags"]["fact"]["accuracy"] == 1.0
 
 
 def test_throughput_series_bins() -> None:

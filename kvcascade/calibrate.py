@@ -1,0 +1,474 @@
+"""``kvcascade cascade calibrate``: the cheapest cascade setting that keeps a target share of the
+last tier's quality, found on labelled tasks and checked on tasks it did not see.
+
+    kvcascade cascade calibrate --config deploy/cascade.example.yaml --tasks deploy/cascade_tasks.jsonl \\
+        --target-quality 0.98 --out runs/calibrate
+
+1. **Collect** (the models, in this process): every tier answers every task greedily with its
+   top-20 logprobs, and every tier but the last has its answers judged by the next tier's model
+   (one prefill over the prompt and the draft, ``prompt_logprobs``; what the router's judge does).
+   Saved as ``runs.json``; ``--from runs.json`` replays it without the models.
+2. **Replay**: with ``mode: full`` and ``original_prompt_only: true`` a tier's decision depends only
+   on its own answer and the judge's score of it, so one pass of each model prices every setting
+   exactly. Per tier but the last, the settings swept are: its own measure (``mean_logprob``,
+   ``min_prob``, ``mean_entropy``) at every threshold the tasks produce; the judge alone, each
+   measure at every threshold; and the two together (accept outright above one threshold, escalate
+   unjudged below a floor, judge in between) on a grid of quantiles (``--grid``).
+3. **Pick** on a calibration split (``--split``, seeded): the cheapest setting whose accuracy
+   reaches ``--target-quality`` x the last tier's on that split; report it on the held-out rest.
+
+Cost is compute, 2 x parameters x tokens (prompt + generated; parameters a token multiplies
+through: the input embedding, a lookup, left out) summed over every call a request
+made: trials thrown away and judging prefills included, relative to the last tier alone. The
+prefix cache is not subtracted (so a system prompt all requests share costs every time, for the
+last tier alone too), except where the cascade itself puts it to use: a tier escalated to after
+its judge rejected the draft finds the prompt's full KV blocks the judge computed (the router
+routes it there by that prefix). Outputs in ``--out``:
+``results.json``, ``calibration.md`` (a table per measure), ``curve.png`` (accuracy against
+compute on the held-out split) and the calibrated cascade file (``--write``, default
+``cascade.calibrated.yaml`` there).
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import math
+import random
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import yaml
+
+from loadtest.tasks import Task, TaskFileError, load_tasks, score
+from protos import kvcascade_pb2 as pb
+from router.cascade_config import CascadeConfig, CascadeConfigError, load_cascade
+from router.confidence import MEASURES, create_measure
+
+TOP_LOGPROBS = 20  # asked of every tier and judge, so every measure can be replayed
+
+
+# --- settings and their replay --------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Setting:
+    """How one tier (not the last) decides: see ``TierConfig.accepts`` and ``judged``."""
+
+    measure: str
+    threshold: float | None  # None: never accepted on its own confidence
+    judge_measure: str | None = None  # None: no judge
+    judge_threshold: float | None = None
+    floor: float | None = None  # below it (own measure), escalate unjudged
+
+    @property
+    def family(self) -> str:
+        if self.judge_measure is None:
+            return f"own {self.measure}"
+        if self.threshold is None and self.floor is None:
+            return f"judge {self.judge_measure}"
+        return f"own {self.measure} + judge {self.judge_measure}"
+
+
+def _surer(measure: str, value: float, bar: float) -> bool:
+    return value >= bar if MEASURES[measure].higher_is_surer else value <= bar
+
+
+def decide(setting: Setting, own: dict[str, float | None], judge: dict[str, float | None]) -> tuple[bool, bool]:
+    """(accepted, judged) for one answer with these scores (None: no tokens to score)."""
+    conf = own[setting.measure]
+    if conf is None:
+        return False, False
+    if setting.threshold is not None and _surer(setting.measure, conf, setting.threshold):
+        return True, False
+    if setting.judge_measure is None:
+        return False, False
+    if setting.floor is not None and not _surer(setting.measure, conf, setting.floor):
+        return False, False
+    jscore = judge[setting.judge_measure]
+    return jscore is not None and _surer(setting.judge_measure, jscore, setting.judge_threshold), True
+
+
+def replay(runs: dict, idx: Sequence[int], settings: Sequence[Setting]) -> dict:
+    """Accuracy, cost and escalations of the cascade with ``settings`` (one per tier but the last)
+    over the tasks ``idx``; compute is relative to the last tier alone."""
+    tiers = runs["tiers"]
+    block = runs.get("block_size", 16)
+    right = compute = 0.0
+    reached = [0] * len(tiers)  # tasks each tier generated for
+    judged = 0
+    for k in idx:
+        for i, tier in enumerate(tiers):
+            ans = tier["answers"][k]
+            reached[i] += 1
+            compute += 2 * tier["params"] * (ans["prompt_tokens"] + ans["completion_tokens"])
+            if i == len(tiers) - 1:
+                right += ans["correct"]
+                break
+            accepted, was_judged = decide(settings[i], ans["own"], ans["judge"])
+            if was_judged:
+                judged += 1
+                compute += 2 * tiers[i + 1]["params"] * (ans["judge_tokens"] + 1)
+            if accepted:
+                right += ans["correct"]
+                break
+            if was_judged:  # the next tier's prompt blocks are in its prefix cache now
+                nxt = tiers[i + 1]["answers"][k]["prompt_tokens"]
+                compute -= 2 * tiers[i + 1]["params"] * (nxt // block * block)
+    last = tiers[-1]
+    base = sum(2 * last["params"] * (last["answers"][k]["prompt_tokens"] + last["answers"][k]["completion_tokens"])
+               for k in idx)
+    n = len(idx)
+    return {"accuracy": right / n, "compute": compute / base, "last_tier_share": reached[-1] / n,
+            "judged": judged / n, "settings": [asdict(s) for s in settings]}
+
+
+def compute_alone(runs: dict, tier: int, idx: Sequence[int]) -> float:
+    """Compute of ``tier`` answering every task alone, relative to the last tier alone."""
+    def cost(t: dict) -> float:
+        return sum(2 * t["params"] * (t["answers"][k]["prompt_tokens"] + t["answers"][k]["completion_tokens"])
+                   for k in idx)
+
+    return cost(runs["tiers"][tier]) / cost(runs["tiers"][-1])
+
+
+def accuracy(runs: dict, tier: int, idx: Sequence[int]) -> float:
+    return sum(runs["tiers"][tier]["answers"][k]["correct"] for k in idx) / len(idx)
+
+
+def _quantiles(values: list[float], n: int) -> list[float]:
+    values = sorted(values)
+    if len(values) <= n:
+        return values
+    return sorted({values[round(q * (len(values) - 1) / (n - 1))] for q in range(n)})
+
+
+def candidates(runs: dict, tier: int, idx: Sequence[int], grid: int, exact: bool = True) -> list[Setting]:
+    """Settings worth trying for ``tier`` (module docstring, step 2); ``exact``: every distinct
+    threshold for the one-parameter families (else ``grid`` quantiles, as for the combined one)."""
+    answers = [runs["tiers"][tier]["answers"][k] for k in idx]
+    out: list[Setting] = []
+    never = {m: (math.inf if MEASURES[m].higher_is_surer else -math.inf) for m in MEASURES}
+    for m in MEASURES:
+        own = [a["own"][m] for a in answers if a["own"][m] is not None]
+        for t in [*(sorted(set(own)) if exact else _quantiles(own, grid)), never[m]]:
+            out.append(Setting(m, t))
+    for jm in MEASURES:
+        scores = [a["judge"][jm] for a in answers if a["judge"][jm] is not None]
+        for jt in [*(sorted(set(scores)) if exact else _quantiles(scores, grid))]:
+            out.append(Setting("mean_logprob", None, jm, jt))
+    if not exact:
+        return out
+    for m, jm in itertools.product(MEASURES, MEASURES):
+        own = _quantiles([a["own"][m] for a in answers if a["own"][m] is not None], grid)
+        scores = _quantiles([a["judge"][jm] for a in answers if a["judge"][jm] is not None], grid)
+        for hi, lo in itertools.combinations_with_replacement(own, 2):
+            if MEASURES[m].higher_is_surer:
+                lo, hi = min(lo, hi), max(lo, hi)
+            else:
+                lo, hi = max(lo, hi), min(lo, hi)
+            out += [Setting(m, hi, jm, jt, lo) for jt in scores]
+    return out
+
+
+def search(runs: dict, calib: Sequence[int], target: float, grid: int) -> tuple[dict, list[dict], float]:
+    """Every candidate setting replayed on ``calib``; the cheapest reaching ``target`` x the last
+    tier's accuracy (else the most accurate), all the points, and that goal."""
+    last = len(runs["tiers"]) - 1
+    per_tier = [candidates(runs, i, calib, grid, exact=last == 1) for i in range(last)]
+    goal = target * accuracy(runs, last, calib) - 1e-12
+    points = [replay(runs, calib, combo) | {"combo": combo} for combo in itertools.product(*per_tier)]
+    reaching = [p for p in points if p["accuracy"] >= goal]
+    if reaching:
+        return min(reaching, key=lambda p: (p["compute"], -p["accuracy"])), points, goal
+    return min(points, key=lambda p: (-p["accuracy"], p["compute"])), points, goal
+
+
+def calibrate(runs: dict, target: float, split: float, seed: int, grid: int) -> dict:
+    """Pick on the calibration split, report on the held-out one (module docstring, step 3)."""
+    n = len(runs["tasks"])
+    order = list(range(n))
+    random.Random(seed).shuffle(order)
+    cut = max(1, min(n - 1, round(n * split)))
+    calib, held = sorted(order[:cut]), sorted(order[cut:])
+    last = len(runs["tiers"]) - 1
+    best, points, goal = search(runs, calib, target, grid)
+    # The held-out curve of each family: its settings' cheapest points, cost against accuracy.
+    families: dict[str, list[dict]] = {}
+    for p in points:
+        families.setdefault(" | ".join(s.family for s in p["combo"]), []).append(p)
+    curves = {name: _frontier([replay(runs, held, p["combo"]) for p in pts]) for name, pts in families.items()}
+    per_family = {}
+    for name, pts in families.items():
+        ok = [p for p in pts if p["accuracy"] >= goal]
+        if ok:
+            pick = min(ok, key=lambda p: (p["compute"], -p["accuracy"]))
+            per_family[name] = {"calibration": _strip(pick), "held_out": replay(runs, held, pick["combo"])}
+    return {
+        "target": target, "tasks": n, "calibration_tasks": len(calib), "held_out_tasks": len(held),
+        "tiers": [{"name": t["name"], "model": t["model"], "params": t["params"],
+                   "accuracy": {"calibration": accuracy(runs, i, calib), "held_out": accuracy(runs, i, held)},
+                   "compute_alone": compute_alone(runs, i, held)}
+                  for i, t in enumerate(runs["tiers"])],
+        "reached_target": best["accuracy"] >= goal,
+        "picked": {"calibration": _strip(best), "held_out": replay(runs, held, best["combo"])},
+        "per_family": per_family, "curves": curves,
+    }
+
+
+def _strip(point: dict) -> dict:
+    return {k: v for k, v in point.items() if k != "combo"}
+
+
+def _frontier(points: list[dict]) -> list[dict]:
+    """The points no other point beats on both accuracy and compute, cheapest first."""
+    out: list[dict] = []
+    for p in sorted(points, key=lambda p: (p["compute"], -p["accuracy"])):
+        if not out or p["accuracy"] > out[-1]["accuracy"]:
+            out.append(p)
+    return out
+
+
+# --- collecting the answers -------------------------------------------------------------------
+
+
+def collect(config: CascadeConfig, tasks: list[Task], max_tokens: int, device: str, dtype: str) -> dict:
+    """Every tier's answers and every judge's scores (module docstring, step 1)."""
+    from worker.engine.config import EngineConfig
+    from worker.engine.llm_engine import LLMEngine
+    from worker.engine.sampling_params import SamplingParams
+
+    tiers = []
+    engines: dict[str, LLMEngine] = {}
+    for tier in config.tiers:
+        if tier.model not in engines:
+            engines[tier.model] = LLMEngine(EngineConfig(model=tier.model, device=device, dtype=dtype,
+                                                         max_model_len=1024, kv_cache_bytes=512 * 2**20))
+        engine = engines[tier.model]
+        started = time.monotonic()
+        prompts = [engine.tokenize(messages=[{"role": "user", "content": t.prompt}]) for t in tasks]
+        outs = _run(engine, prompts, SamplingParams(max_tokens=max_tokens, temperature=0, logprobs=TOP_LOGPROBS))
+        answers = []
+        for task, prompt, out in zip(tasks, prompts, outs):
+            lps = [pb.TokenLogprob(logprob=lp.logprob, top=[pb.TopLogprob(logprob=v) for _, v in lp.top])
+                   for lp in out["logprobs"]]
+            window = lps[: tier.window] if tier.window else lps
+            answers.append({"text": out["text"], "token_ids": out["token_ids"], "prompt": prompt,
+                            "prompt_tokens": len(prompt), "completion_tokens": len(out["token_ids"]),
+                            "correct": score(task, out["text"]),
+                            "own": {m: (create_measure(m, tier.top_logprobs).score(window) if window else None)
+                                    for m in MEASURES}})
+        params = matmul_params(engine.model)
+        print(f"{tier.name} ({tier.model}): {sum(a['correct'] for a in answers)}/{len(tasks)} right in "
+              f"{time.monotonic() - started:.0f} s", file=sys.stderr)
+        tiers.append({"name": tier.name, "model": tier.model, "params": params, "answers": answers})
+    for i, tier in enumerate(config.tiers[:-1]):
+        judge_engine = engines[config.tiers[i + 1].model]
+        started = time.monotonic()
+        answers = tiers[i]["answers"]
+        jprompts = [judge_engine.tokenize(messages=[{"role": "user", "content": t.prompt}]) for t in tasks]
+        runs = [(p + a["token_ids"], len(p)) for p, a in zip(jprompts, answers)]
+        judged = _judge(judge_engine, runs)
+        for a, (ids, _), lps in zip(answers, runs, judged):
+            a["judge_tokens"] = len(ids)
+            a["judge"] = {m: (create_measure(m, TOP_LOGPROBS).score(lps) if lps else None) for m in MEASURES}
+        print(f"{config.tiers[i + 1].name} judged {tier.name}'s answers in {time.monotonic() - started:.0f} s",
+              file=sys.stderr)
+    for a in tiers[-1]["answers"]:
+        a["judge"], a["judge_tokens"] = {m: None for m in MEASURES}, 0
+    for a in (a for t in tiers for a in t["answers"]):
+        del a["prompt"]
+    block_size = next(iter(engines.values())).config.block_size
+    return {"tasks": [asdict(t) for t in tasks], "max_tokens": max_tokens, "block_size": block_size, "tiers": tiers}
+
+
+def matmul_params(model) -> int:
+    """Parameters a token multiplies through: all but the input embedding, a lookup (unless it is
+    also the LM head). Qwen2.5-0.5B: 494 M of 630 M stored; 1.5B: 1,544 M of 1,777 M."""
+    total = sum(p.numel() for p in model.parameters())
+    embed, head = model.model.embed_tokens.weight, model.lm_head.weight
+    return total if embed is head else total - embed.numel()
+
+
+def _run(engine, prompts: list[list[int]], params) -> list[dict]:
+    import torch
+
+    ids = [engine.add_request(p, params) for p in prompts]
+    got = {i: {"text": "", "token_ids": [], "logprobs": []} for i in ids}
+    with torch.inference_mode():
+        while engine.has_unfinished():
+            for out in engine.step():
+                g = got[out.request_id]
+                g["text"] += out.text_delta
+                g["token_ids"] += out.new_token_ids
+                g["logprobs"] += out.logprobs or []
+    return [got[i] for i in ids]
+
+
+def _judge(engine, runs: list[tuple[list[int], int]]) -> list[list[pb.TokenLogprob]]:
+    """The judging model's logprobs of each ``ids[start:]`` (a draft), as the router's judge asks
+    (one batch of prefills)."""
+    import torch
+
+    from worker.engine.sampling_params import SamplingParams
+
+    rids = {}
+    for k, (ids, start) in enumerate(runs):
+        if start < len(ids):
+            params = SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=TOP_LOGPROBS,
+                                    prompt_logprobs_start=start)
+            rids[engine.add_request(ids, params)] = k
+    entries: list[list] = [[] for _ in runs]
+    with torch.inference_mode():
+        while engine.has_unfinished():
+            for out in engine.step():
+                if out.prompt_logprobs is not None:
+                    entries[rids[out.request_id]] = out.prompt_logprobs
+    return [[pb.TokenLogprob(logprob=e.logprob, top=[pb.TopLogprob(logprob=v) for _, v in e.top]) for e in got]
+            for got in entries]
+
+
+# --- the outputs ------------------------------------------------------------------------------
+
+
+def calibrated_yaml(source: Path, result: dict) -> str:
+    """The cascade file with each tier's picked setting in place of its decision keys."""
+    data = yaml.safe_load(source.read_text())
+    for tier, setting in zip(data["tiers"], result["picked"]["calibration"]["settings"]):
+        for key in ("measure", "threshold", "judge"):
+            tier.pop(key, None)
+        tier["measure"] = setting["measure"]
+        if setting["threshold"] is not None and math.isfinite(setting["threshold"]):
+            tier["threshold"] = round(setting["threshold"], 6)
+        elif setting["judge_measure"] is None:  # never accepted on its own: the next tier always answers
+            tier["threshold"] = setting["threshold"] if setting["threshold"] is not None else 1e9
+        if setting["judge_measure"] is not None:
+            judge = {"measure": setting["judge_measure"], "threshold": round(setting["judge_threshold"], 6)}
+            if setting["floor"] is not None:
+                judge["floor"] = round(setting["floor"], 6)
+            tier["judge"] = judge
+    held = result["picked"]["held_out"]
+    head = (f"# Calibrated by `kvcascade cascade calibrate` from {source.name}: target "
+            f"{result['target']:.0%} of the last tier's accuracy on {result['calibration_tasks']} tasks;\n"
+            f"# on {result['held_out_tasks']} held-out tasks: accuracy {held['accuracy']:.1%} (last tier alone "
+            f"{result['tiers'][-1]['accuracy']['held_out']:.1%}), compute {held['compute']:.2f}x, last tier "
+            f"generating for {held['last_tier_share']:.0%}.\n")
+    return head + yaml.safe_dump(data, sort_keys=False)
+
+
+def table(result: dict) -> str:
+    tiers = result["tiers"]
+    last = tiers[-1]["accuracy"]["held_out"]
+    lines = [f"target: {result['target']:.0%} of the last tier's accuracy; {result['calibration_tasks']} "
+             f"calibration tasks, {result['held_out_tasks']} held out", "",
+             "| held-out | accuracy | vs last tier | last tier generates | judged | compute vs last tier |",
+             "| --- | ---: | ---: | ---: | ---: | ---: |"]
+    for t in tiers:
+        acc = t["accuracy"]["held_out"]
+        lines.append(f"| {t['name']} alone | {acc:.1%} | {acc / last:.0%} | | | {t['compute_alone']:.2f}x |")
+
+    def row(name: str, p: dict) -> str:
+        return (f"| {name} | {p['accuracy']:.1%} | {p['accuracy'] / last:.0%} | {p['last_tier_share']:.0%} | "
+                f"{p['judged']:.0%} | {p['compute']:.2f}x |")
+
+    lines.append(row("**picked**", result["picked"]["held_out"]))
+    for name, fam in sorted(result["per_family"].items(), key=lambda kv: kv[1]["calibration"]["compute"]):
+        lines.append(row(name, fam["held_out"]))
+    return "\n".join(lines) + "\n"
+
+
+def plot(result: dict, path: Path) -> bool:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for name, points in sorted(result["curves"].items()):
+        ax.plot([p["compute"] for p in points], [p["accuracy"] for p in points], marker=".", label=name)
+    for t in result["tiers"]:
+        ax.scatter([t["compute_alone"]], [t["accuracy"]["held_out"]], marker="s", color="k")
+        ax.annotate(f"{t['name']} alone", (t["compute_alone"], t["accuracy"]["held_out"]), fontsize=8)
+    held = result["picked"]["held_out"]
+    ax.scatter([held["compute"]], [held["accuracy"]], marker="*", s=160, color="r", label="picked", zorder=3)
+    ax.set(xlabel="compute relative to the last tier alone", ylabel="accuracy (held-out)",
+           title="cascade: accuracy against compute")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    return True
+
+
+# --- the command ------------------------------------------------------------------------------
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    commands = parser.add_subparsers(dest="cascade_command", required=True, metavar="COMMAND")
+    cal = commands.add_parser("calibrate", help="find the cheapest setting that keeps a target share of quality",
+                              description=__doc__.split("\n\n")[0])
+    cal.add_argument("--config", required=True, type=Path, help="the cascade file to calibrate")
+    cal.add_argument("--tasks", type=Path, default=Path("deploy/cascade_tasks.jsonl"),
+                     help="labelled tasks, JSON Lines (loadtest/tasks.py; default: %(default)s)")
+    cal.add_argument("--target-quality", type=float, default=0.98,
+                     help="share of the last tier's accuracy to keep (default: %(default)s)")
+    cal.add_argument("--out", type=Path, default=Path("runs/calibrate"), help="output folder (default: %(default)s)")
+    cal.add_argument("--write", type=Path, help="the calibrated cascade file (default: OUT/cascade.calibrated.yaml)")
+    cal.add_argument("--split", type=float, default=0.5, help="share of tasks to calibrate on (default: %(default)s)")
+    cal.add_argument("--seed", type=int, default=0, help="the split's seed (default: %(default)s)")
+    cal.add_argument("--grid", type=int, default=12,
+                     help="quantiles per threshold of the combined own + judge settings (default: %(default)s)")
+    cal.add_argument("--max-tokens", type=int, default=16, help="answer length cap (default: %(default)s)")
+    cal.add_argument("--limit", type=int, help="use only the first N tasks")
+    cal.add_argument("--device", default="cpu")
+    cal.add_argument("--dtype", default="float32")
+    cal.add_argument("--from", dest="replay_from", type=Path, help="replay a runs.json instead of running the models")
+
+
+def main(args: argparse.Namespace) -> int:
+    def fail(message: str) -> int:
+        print(f"kvcascade cascade calibrate: error: {message}", file=sys.stderr)
+        return 2
+
+    if not 0 < args.target_quality <= 1:
+        return fail(f"--target-quality: must be in (0, 1], got {args.target_quality}")
+    if not 0 < args.split < 1:
+        return fail(f"--split: must be in (0, 1), got {args.split}")
+    try:
+        config = load_cascade(args.config)
+        tasks = load_tasks(args.tasks)
+    except (CascadeConfigError, TaskFileError) as err:
+        return fail(str(err))
+    except OSError as err:
+        return fail(f"{err.filename}: cannot read: {err.strerror}")
+    if config.mode != "full" or not config.original_prompt_only:
+        return fail(f"{args.config}: calibration replays mode: full with original_prompt_only: true")
+    tasks = tasks[: args.limit] if args.limit else tasks
+    if len(tasks) < 2:
+        return fail("need at least 2 tasks (one to calibrate on, one held out)")
+    args.out.mkdir(parents=True, exist_ok=True)
+    if args.replay_from:
+        runs = json.loads(args.replay_from.read_text())
+        if [t["model"] for t in runs["tiers"]] != [t.model for t in config.tiers]:
+            return fail(f"--from {args.replay_from}: its tiers' models differ from {args.config}'s")
+    else:
+        runs = collect(config, tasks, args.max_tokens, args.device, args.dtype)
+        (args.out / "runs.json").write_text(json.dumps(runs))
+    result = calibrate(runs, args.target_quality, args.split, args.seed, args.grid)
+    (args.out / "results.json").write_text(json.dumps(result, indent=1))
+    text = table(result)
+    (args.out / "calibration.md").write_text(text)
+    plot(result, args.out / "curve.png")
+    written = args.write or args.out / "cascade.calibrated.yaml"
+    written.write_text(calibrated_yaml(args.config, result))
+    print(text)
+    if not result["reached_target"]:
+        print(f"no setting reached {args.target_quality:.0%} of the last tier's accuracy on the calibration "
+              "split; wrote the most accurate one", file=sys.stderr)
+    print(f"wrote {written} and {args.out}/", file=sys.stderr)
+    return 0

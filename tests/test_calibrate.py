@@ -1,0 +1,119 @@
+"""`kvcascade cascade calibrate`: the replay prices a setting as a hand-computed table says, the
+search picks the cheapest setting reaching the target, and the command runs end to end (real
+models, a few tasks) and writes a cascade file the router loads."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kvcascade.calibrate import Setting, replay, search
+from router.cascade_config import load_cascade
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def runs(small_correct, large_correct, own, judge, small_params=1, large_params=3, large_completion=2) -> dict:
+    """Two tiers; every answer 8 prompt + 2 generated tokens (the large one's: ``large_completion``),
+    every judge prefill 10 tokens.
+    ``own`` and ``judge`` are mean logprobs; the other measures follow them in the same order."""
+    def scores(lp: float | None) -> dict:
+        return {"mean_logprob": lp, "sum_logprob": lp, "min_prob": None if lp is None else math.exp(lp),
+                "mean_entropy": None if lp is None else -lp}
+
+    def answer(correct, own_lp=None, judge_lp=None, completion=2) -> dict:
+        return {"correct": bool(correct), "prompt_tokens": 8, "completion_tokens": completion, "judge_tokens": 10,
+                "own": scores(own_lp), "judge": scores(judge_lp)}
+
+    n = len(small_correct)
+    return {"tasks": [{}] * n, "block_size": 4, "tiers": [
+        {"name": "small", "model": "s", "params": small_params,
+         "answers": [answer(c, o, j) for c, o, j in zip(small_correct, own, judge)]},
+        {"name": "large", "model": "l", "params": large_params, "answers": [answer(c, completion=large_completion) for c in large_correct]},
+    ]}
+
+
+def test_replay_prices_a_setting_as_the_table_says() -> None:
+    r = runs([1, 1, 1, 0, 0, 0], [1, 1, 1, 1, 1, 0], own=[-0.1, -0.2, -0.5, -0.9, -1.5, -2.0], judge=[-9] * 6)
+    # Accept at >= -0.5: tasks 0-2 by small (right), 3-5 escalate (large: right, right, wrong) = 5/6.
+    # Compute: small 6 x 2x1x10 = 120, large 3 x 2x3x10 = 180; large alone 6 x 60 = 360.
+    p = replay(r, range(6), [Setting("mean_logprob", -0.5)])
+    assert p["accuracy"] == pytest.approx(5 / 6) and p["compute"] == pytest.approx(300 / 360)
+    assert p["last_tier_share"] == pytest.approx(0.5) and p["judged"] == 0
+    # A judge for everything below -0.5 but above the floor -1.0 (task 3 only), rejecting it:
+    # + its prefill 2x3x(10 + 1) = 66, and the escalation then finds 8 // 4 x 4 = 8 prompt tokens
+    # cached: - 2x3x8 = 48.
+    p = replay(r, range(6), [Setting("mean_logprob", -0.5, "mean_logprob", -1.0, floor=-1.0)])
+    assert p["judged"] == pytest.approx(1 / 6) and p["compute"] == pytest.approx((300 + 66 - 48) / 360)
+
+
+def test_the_search_picks_the_cheapest_threshold_reaching_the_target() -> None:
+    r = runs([1, 1, 1, 0, 0, 0], [1, 1, 1, 1, 1, 0], own=[-0.1, -0.2, -0.5, -0.9, -1.5, -2.0], judge=[-9] * 6)
+    best, points, _ = search(r, range(6), target=1.0, grid=4)
+    assert best["settings"][0]["measure"] == "mean_logprob" and best["settings"][0]["threshold"] == -0.5
+    assert best["accuracy"] == pytest.approx(5 / 6) and best["compute"] == pytest.approx(300 / 360)
+    # A lower target lets it accept more: at 60% of 5/6 (= 1/2), small alone is enough.
+    best, _, _ = search(r, range(6), target=0.6, grid=4)
+    assert best["accuracy"] == pytest.approx(3 / 6) and best["last_tier_share"] == 0
+
+
+def test_when_only_the_judge_separates_right_from_wrong_the_search_uses_it() -> None:
+    # Own confidence says nothing (all equal); the judge agrees exactly with the right answers,
+    # and the large tier answers at length (30 tokens), so a prefill of the draft costs less.
+    r = runs([1, 0, 1, 0, 1, 0], [1] * 6, own=[-0.3] * 6, judge=[-0.1, -3, -0.1, -3, -0.1, -3], large_params=30,
+             large_completion=30)
+    best, _, _ = search(r, range(6), target=1.0, grid=4)
+    s = best["settings"][0]
+    assert s["judge_measure"] is not None and best["accuracy"] == 1.0 and best["last_tier_share"] == 0.5
+    # small 6 x 2x1x10; judging 6 x 2x30x11; half escalate, their 8 prompt tokens cached: 3 x 2x30x30.
+    large_alone = 6 * 2 * 30 * 38
+    assert best["compute"] == pytest.approx((120 + 6 * 2 * 30 * 11 + 3 * 2 * 30 * 30) / large_alone)
+    assert best["compute"] < replay(r, range(6), [Setting("mean_logprob", math.inf)])["compute"]
+
+
+def test_the_command_end_to_end_writes_a_file_the_router_loads(tmp_path: Path) -> None:
+    config = tmp_path / "cascade.yaml"
+    config.write_text("tiers:\n  - name: small\n    model: smollm2-135m\n    threshold: -0.3\n"
+                      "    window: 4\n  - name: large\n    model: smollm2-135m\n")
+    tasks = tmp_path / "tasks.jsonl"
+    tasks.write_text("\n".join(json.dumps(t) for t in [
+        {"prompt": "What is 2 + 2? Reply with the number only.", "answer": "4", "scorer": "numeric"},
+        {"prompt": "What is the capital of France? One word.", "answer": "Paris", "scorer": "contains"},
+        {"prompt": "What is 17 * 3? Reply with the number only.", "answer": "51", "scorer": "numeric"},
+        {"prompt": "Name the chemical symbol of gold.", "answer": "Au", "scorer": "contains"},
+    ]) + "\n")
+    out = tmp_path / "out"
+    cmd = [sys.executable, "-m", "kvcascade", "cascade", "calibrate", "--config", str(config), "--tasks", str(tasks),
+           "--out", str(out), "--max-tokens", "6", "--target-quality", "0.9"]
+    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600,
+                          env={**__import__("os").environ, "HF_HUB_OFFLINE": "1"})
+    assert done.returncode == 0, done.stderr
+    assert "| **picked** |" in done.stdout and (out / "calibration.md").exists()
+    calibrated = load_cascade(out / "cascade.calibrated.yaml")
+    assert calibrated.tiers[0].window == 4 and calibrated.tiers[0].model == "smollm2-135m"
+    assert calibrated.tiers[0].threshold is not None or calibrated.tiers[0].judge is not None
+    saved = json.loads((out / "runs.json").read_text())
+    assert [len(t["answers"]) for t in saved["tiers"]] == [4, 4]
+    assert all(a["judge"]["mean_logprob"] is not None for a in saved["tiers"][0]["answers"])
+    # Replaying the saved answers gives the same result without the models.
+    again = subprocess.run([*cmd[:-2], "--target-quality", "0.9", "--from", str(out / "runs.json"),
+                            "--write", str(tmp_path / "again.yaml")], cwd=ROOT, capture_output=True, text=True,
+                           timeout=120)
+    assert again.returncode == 0, again.stderr
+    assert again.stdout == done.stdout
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--target-quality", "1.5"], "--target-quality: must be in (0, 1]"),
+    (["--tasks", "/nonexistent.jsonl"], "/nonexistent.jsonl"),
+])
+def test_bad_flags_are_refused_with_the_reason(tmp_path: Path, flags, message) -> None:
+    done = subprocess.run([sys.executable, "-m", "kvcascade", "cascade", "calibrate", "--config",
+                           str(ROOT / "deploy/cascade.example.yaml"), "--out", str(tmp_path), *flags],
+                          cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and message in done.stderr, done.stderr
