@@ -195,7 +195,6 @@ def calibrate(runs: dict, target: float, split: float, seed: int, grid: int) -> 
     random.Random(seed).shuffle(order)
     cut = max(1, min(n - 1, round(n * split)))
     calib, held = sorted(order[:cut]), sorted(order[cut:])
-    last = len(runs["tiers"]) - 1
     best, points, goal = search(runs, calib, target, grid)
     # The held-out curve of each family: its settings' cheapest points, cost against accuracy.
     families: dict[str, list[dict]] = {}

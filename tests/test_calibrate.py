@@ -34,7 +34,8 @@ def runs(small_correct, large_correct, own, judge, small_params=1, large_params=
     return {"tasks": [{}] * n, "block_size": 4, "tiers": [
         {"name": "small", "model": "s", "params": small_params,
          "answers": [answer(c, o, j) for c, o, j in zip(small_correct, own, judge)]},
-        {"name": "large", "model": "l", "params": large_params, "answers": [answer(c, completion=large_completion) for c in large_correct]},
+        {"name": "large", "model": "l", "params": large_params,
+         "answers": [answer(c, completion=large_completion) for c in large_correct]},
     ]}
 
 
