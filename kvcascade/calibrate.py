@@ -127,6 +127,26 @@ def replay(runs: dict, idx: Sequence[int], settings: Sequence[Setting]) -> dict:
             "judged": judged / n, "settings": [asdict(s) for s in settings]}
 
 
+def oracle(runs: dict, idx: Sequence[int]) -> dict:
+    """The bound no measure can beat: each task answered by the first tier that gets it right, or
+    by the first tier when none does, with no judging: what a router that knew the answers would pay."""
+    tiers = runs["tiers"]
+    right = compute = 0.0
+    last_share = 0
+    for k in idx:
+        answering = next((i for i, t in enumerate(tiers) if t["answers"][k]["correct"]), 0)
+        right += tiers[answering]["answers"][k]["correct"]
+        last_share += answering == len(tiers) - 1
+        for tier in tiers[: answering + 1]:
+            ans = tier["answers"][k]
+            compute += 2 * tier["params"] * (ans["prompt_tokens"] + ans["completion_tokens"])
+    last = tiers[-1]
+    base = sum(2 * last["params"] * (last["answers"][k]["prompt_tokens"] + last["answers"][k]["completion_tokens"])
+               for k in idx)
+    return {"accuracy": right / len(idx), "compute": compute / base, "last_tier_share": last_share / len(idx),
+            "judged": 0.0}
+
+
 def compute_alone(runs: dict, tier: int, idx: Sequence[int]) -> float:
     """Compute of ``tier`` answering every task alone, relative to the last tier alone."""
     def cost(t: dict) -> float:
@@ -215,6 +235,7 @@ def calibrate(runs: dict, target: float, split: float, seed: int, grid: int) -> 
                   for i, t in enumerate(runs["tiers"])],
         "reached_target": best["accuracy"] >= goal,
         "picked": {"calibration": _strip(best), "held_out": replay(runs, held, best["combo"])},
+        "oracle": oracle(runs, held),
         "per_family": per_family, "curves": curves,
     }
 
@@ -375,6 +396,7 @@ def table(result: dict) -> str:
                 f"{p['judged']:.0%} | {p['compute']:.2f}x |")
 
     lines.append(row("**picked**", result["picked"]["held_out"]))
+    lines.append(row("oracle (knows which answers are right)", result["oracle"]))
     for name, fam in sorted(result["per_family"].items(), key=lambda kv: kv[1]["calibration"]["compute"]):
         lines.append(row(name, fam["held_out"]))
     return "\n".join(lines) + "\n"
@@ -388,9 +410,16 @@ def plot(result: dict, path: Path) -> bool:
         import matplotlib.pyplot as plt
     except ImportError:
         return False
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    for name, points in sorted(result["curves"].items()):
+    fig, ax = plt.subplots(figsize=(9, 5))
+    # One curve per own measure and per judge measure; the combined families as one frontier.
+    curves = {k: v for k, v in result["curves"].items() if " + " not in k}
+    combined = [p for k, v in result["curves"].items() if " + " in k for p in v]
+    if combined:
+        curves["own + judge (best of every pair)"] = _frontier(combined)
+    for name, points in sorted(curves.items()):
         ax.plot([p["compute"] for p in points], [p["accuracy"] for p in points], marker=".", label=name)
+    o = result["oracle"]
+    ax.scatter([o["compute"]], [o["accuracy"]], marker="D", color="g", label="oracle router", zorder=3)
     for t in result["tiers"]:
         ax.scatter([t["compute_alone"]], [t["accuracy"]["held_out"]], marker="s", color="k")
         ax.annotate(f"{t['name']} alone", (t["compute_alone"], t["accuracy"]["held_out"]), fontsize=8)
@@ -398,7 +427,7 @@ def plot(result: dict, path: Path) -> bool:
     ax.scatter([held["compute"]], [held["accuracy"]], marker="*", s=160, color="r", label="picked", zorder=3)
     ax.set(xlabel="compute relative to the last tier alone", ylabel="accuracy (held-out)",
            title="cascade: accuracy against compute")
-    ax.legend(fontsize=7)
+    ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5))
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     return True

@@ -9,7 +9,7 @@ the file, the line and the key (``cascade.yaml:9: tiers[0].threshold: must be a 
     tiers:                       # tried in order; the last one always answers
       - name: small
         model: qwen2.5-coder-0.5b  # the model name its workers register
-        measure: mean_logprob      # mean_logprob | min_prob | mean_entropy (router/confidence.py)
+        measure: mean_logprob      # mean_logprob | sum_logprob | min_prob | mean_entropy (router/confidence.py)
         threshold: -0.35           # accept when mean_logprob >= it (mean_entropy: <= it)
         window: 16                 # judge the first 16 tokens; absent: the whole answer
         max_tokens: 256            # full mode: a trial that runs past this escalates
