@@ -43,6 +43,7 @@ class WorkerInfo:
     tp_size: int = 1
     capacity: int = 0  # max_num_seqs: requests it runs at once
     block_size: int = 16
+    max_model_len: int = 0  # the context length its engine accepts (0: not said, a worker before this field)
     load: WorkerLoad = field(default_factory=WorkerLoad)
     last_seen: float = field(default_factory=time.time)
 

@@ -126,11 +126,16 @@ class _Run:
         else:
             offset = 0.0
             for gap in arrival_gaps(self.scenario, self.part):
-                offset += gap
-                await asyncio.sleep(max(0.0, self.t0 + offset - time.perf_counter()))
+                # The next session is taken before waiting for its arrival: when the workload or
+                # max_requests is done, the run ends now, not one arrival gap (a burst interval) later.
                 if (session := self.next_session()) is None:
                     break
+                offset += gap
+                await asyncio.sleep(max(0.0, self.t0 + offset - time.perf_counter()))
+                if time.perf_counter() >= self.deadline:
+                    break
                 self._spawn(self._session(session))
+                await asyncio.sleep(0)  # it records its request now, so the next budget check counts it
         while self.tasks:
             await asyncio.wait(set(self.tasks))
 

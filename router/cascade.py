@@ -135,8 +135,8 @@ class CascadeRun:
         if self.plan.report or self.client_logprobs is not None:
             req.sampling.logprobs = wanted
         if not final and self.plan.config.mode == "full" and tier.max_tokens is not None \
-                and self.client_max is not None and tier.max_tokens < self.client_max:
-            req.sampling.max_tokens = tier.max_tokens
+                and self.client_max is not None and (self.client_max == 0 or tier.max_tokens < self.client_max):
+            req.sampling.max_tokens = tier.max_tokens  # (a client max of 0: until the context ends)
         if draft is not None and not self.plan.config.original_prompt_only:
             _append_draft(req, draft, self.plan.config.review_prompt)
         return req
@@ -205,7 +205,8 @@ class CascadeRun:
         last = trial.messages[-1] if trial.messages else None
         if last is None or last.finish_reason in ("error", "abort"):
             return "error"
-        if last.finish_reason == "length" and last.usage.completion_tokens < (self.client_max or 0):
+        if last.finish_reason == "length" and self.client_max is not None \
+                and (self.client_max == 0 or last.usage.completion_tokens < self.client_max):
             return "limit"  # the trial's own cap, not the client's, ended it
         confidence = trial.confidence()
         self.metrics.cascade_confidence.labels(tier.name).observe(confidence if confidence is not None else 0.0)

@@ -1,7 +1,8 @@
 """The router's OpenAI-compatible HTTP front (FastAPI), so existing OpenAI clients work unchanged.
 
     POST /v1/completions, /v1/chat/completions   (stream: server-sent events, or one JSON answer)
-    GET  /v1/models                              (the models live workers serve)
+    GET  /v1/models                              (the models live workers serve, their max_model_len)
+    POST /tokenize, /detokenize                  (vLLM's: a prompt or messages <-> token ids)
     GET  /healthz  /readyz  /metrics             (never behind the API key)
 
 Bodies become a pb.GenerateRequest (router/openai_protocol.py) for ``Router.generate``. Errors
@@ -43,8 +44,9 @@ from starlette.exceptions import HTTPException
 from protos import kvcascade_pb2 as pb
 from router.coalesce import coalesced
 from router.errors import RouterError
-from router.openai_protocol import Answer, BadRequest, Call, ChatRequest, CompletionRequest, chat_call, completion_call
-from router.router import Router
+from router.openai_protocol import (Answer, BadRequest, Call, ChatRequest, CompletionRequest, DetokenizeRequest,
+                                    Echo, TokenizeRequest, chat_call, completion_call)
+from router.router import Router, tokenize
 
 T = TypeVar("T")
 
@@ -59,6 +61,7 @@ _STATUS = {
 _TYPE = {400: "invalid_request_error", 401: "invalid_request_error", 404: "invalid_request_error",
          405: "invalid_request_error", 429: "rate_limit_error", 499: "cancelled", 503: "service_unavailable",
          504: "timeout"}
+_TOOL_CALL = Call("completion", [pb.GenerateRequest()], stream=False, include_usage=False)  # names fields as sent
 _FIELD = re.compile(r"[A-Za-z_][\w.\[\]]*")  # what a RouterError's "field: message" names
 
 
@@ -164,29 +167,32 @@ def _event(data: dict[str, Any]) -> bytes:
 _DONE = b"data: [DONE]\n\n"
 
 
-async def _events(answer: Answer, first: pb.GenerateResponse,
-                  rest: AsyncIterator[pb.GenerateResponse]) -> AsyncIterator[bytes]:
-    """The SSE body: an event per (coalesced) message; events ready together go out in one write
-    (the role chunk with the first text, the last text with the usage chunk and [DONE])."""
+async def _events(answer: Answer, first: tuple[int, pb.GenerateResponse],
+                  rest: AsyncIterator[tuple[int, pb.GenerateResponse]]) -> AsyncIterator[bytes]:
+    """The SSE body: an event per (coalesced) message of each choice; events ready together go
+    out in one write (the role chunks with the first text, the last text with the usage chunk and
+    [DONE]). ``rest`` ends when every choice has finished."""
     async with contextlib.aclosing(rest):
-        ready = [_event(opening)] if (opening := answer.first_chunk()) is not None else []
-        msg = first
+        ready = [_event(opening) for opening in answer.first_chunks()]
+        lasts: dict[int, pb.GenerateResponse] = {}
+        item: tuple[int, pb.GenerateResponse] | None = first
         try:
-            while True:
-                if (chunk := answer.chunk(msg)) is not None:
+            while item is not None:
+                index, msg = item
+                if (chunk := answer.chunk(index, msg)) is not None:
                     ready.append(_event(chunk))
                 if msg.finish_reason:
-                    if answer.call.include_usage:
-                        ready.append(_event(answer.usage_chunk(msg.usage)))
-                    break
+                    lasts[index] = msg
                 if ready:
                     yield b"".join(ready)
                     ready.clear()
-                msg = await anext(rest)
+                item = await anext(rest, None)
+            if len(lasts) < len(answer.call.requests):
+                ready.append(_event(ApiError(502, "the worker's stream ended without a finish reason").body()))
+            elif answer.call.include_usage:
+                ready.append(_event(answer.usage_chunk([lasts[i] for i in sorted(lasts)])))
         except RouterError as err:
             ready.append(_event(_from_router(err, answer.call).body()))
-        except StopAsyncIteration:
-            ready.append(_event(ApiError(502, "the worker's stream ended without a finish reason").body()))
         ready.append(_DONE)
         yield b"".join(ready)
 
@@ -204,9 +210,10 @@ class _EventStream(StreamingResponse):
 
 
 async def _model_and_tokenizer(router: Router, call: Call) -> tuple[str, Any]:
-    """The model name the answer carries and, when logprobs were asked for, its tokenizer."""
+    """The model name the answer carries and, when logprobs or an echo need one, its tokenizer."""
     model = call.request.model
-    if model and not call.wants_logprobs:
+    needs_tokenizer = call.wants_logprobs or call.echo
+    if model and not needs_tokenizer:
         return model, None
     workers = await router.live_workers()
     cascade = router.cascade_config
@@ -216,21 +223,74 @@ async def _model_and_tokenizer(router: Router, call: Call) -> tuple[str, Any]:
     # A cascade's tiers share one tokenizer (one family), so the first tier's serves for logprobs.
     source = cascade.tiers[0].model if cascade and model == cascade.name else model
     pool = [w for w in workers if w.model == source]
-    if not call.wants_logprobs or not pool:
+    if not needs_tokenizer or not pool:
         return model, None
     return model, await router.tokenizers.of(pool[0])
 
 
+async def _echoes(call: Call, tokenizer: Any) -> list[Echo] | None:
+    """Per prompt, what echo puts first: its text and (for logprobs) its first token."""
+    if not call.echo:
+        return None
+    if tokenizer is None:
+        raise ApiError(503, "echo: no live worker of this model to read its prompt with", "echo")
+    out = []
+    for request in call.requests[:: call.best_of]:
+        ids = list(request.token_ids.ids) if request.HasField("token_ids") else None
+        if ids is None and call.wants_logprobs:
+            ids = await asyncio.to_thread(tokenize, tokenizer, request)
+        text = request.text if request.HasField("text") else tokenizer.decode(ids)
+        out.append(Echo(text, ids[0] if ids else None))
+    return out
+
+
+async def _merged(streams: list[AsyncIterator[pb.GenerateResponse]]
+                  ) -> AsyncIterator[tuple[int, pb.GenerateResponse]]:
+    """(choice, message) from every stream as they come; the first failure ends them all."""
+    if len(streams) == 1:  # the usual case: no tasks, no queue
+        async with contextlib.aclosing(streams[0]) as only:
+            async for msg in only:
+                yield 0, msg
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(i: int, stream: AsyncIterator[pb.GenerateResponse]) -> None:
+        try:
+            async with contextlib.aclosing(stream):
+                async for msg in stream:
+                    queue.put_nowait((i, msg))
+        except BaseException as exc:  # handed to the consumer, which ends the others
+            queue.put_nowait(exc)
+            return
+        queue.put_nowait(None)
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        for _ in range(len(tasks)):
+            while (item := await queue.get()) is not None:
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
 async def _answer(router: Router, request: Request, call: Call) -> Response:
     model, tokenizer = await _model_and_tokenizer(router, call)
-    answer = Answer(call, model, tokenizer)
-    messages = _checked(router.generate(call.request))
+    try:
+        answer = Answer(call, model, tokenizer, await _echoes(call, tokenizer))
+    except RouterError as err:
+        raise _from_router(err, call) from None
+    streams = [_checked(router.generate(r)) for r in call.requests]
     if call.stream:  # errors checked before merging, so the tokens before a failure still go out
-        messages = coalesced(messages)
+        streams = [coalesced(s) for s in streams]
+    messages = _merged(streams)
     try:
         if not call.stream:
-            collected = await _unless_client_leaves(request, _collect(messages))
-            return _JSONResponse(answer.response(collected))
+            samples = await _unless_client_leaves(request, _collect(messages, len(streams)))
+            return _JSONResponse(answer.response(samples))
         first = await anext(messages)
     except RouterError as err:
         await messages.aclose()
@@ -241,11 +301,15 @@ async def _answer(router: Router, request: Request, call: Call) -> Response:
                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
 
-async def _collect(messages: AsyncIterator[pb.GenerateResponse]) -> list[pb.GenerateResponse]:
-    collected = [msg async for msg in messages]
-    if not collected or not collected[-1].finish_reason:
+async def _collect(messages: AsyncIterator[tuple[int, pb.GenerateResponse]],
+                   count: int) -> list[list[pb.GenerateResponse]]:
+    samples: list[list[pb.GenerateResponse]] = [[] for _ in range(count)]
+    async with contextlib.aclosing(messages):
+        async for i, msg in messages:
+            samples[i].append(msg)
+    if not all(s and s[-1].finish_reason for s in samples):
         raise ApiError(502, "the worker's stream ended without a finish reason")
-    return collected
+    return samples
 
 
 # --- the app ------------------------------------------------------------------------------------
@@ -280,10 +344,37 @@ def create_app(router: Router, *, api_keys: Collection[str] = ()) -> FastAPI:
 
     @v1.get("/models")
     async def models() -> dict[str, Any]:
-        data = [{"id": m, "object": "model", "created": 0, "owned_by": "kvcascade"} for m in await router.models()]
+        lengths = await router.context_lengths()
+        data = [{"id": m, "object": "model", "created": 0, "owned_by": "kvcascade",
+                 **({"max_model_len": lengths[m]} if m in lengths else {})} for m in await router.models()]
         return {"object": "list", "data": data}
 
     app.include_router(v1)
+    tools = APIRouter(dependencies=[Depends(authorize)] if keys else [])
+
+    @tools.post("/tokenize")
+    async def tokenize_(request: Request) -> dict[str, Any]:
+        body = _parse(TokenizeRequest, await request.body())
+        try:
+            model, tokenizer = await router.tokenizer_for(body.model)
+            ids = await asyncio.to_thread(tokenize, tokenizer, body.generate_request())
+        except RouterError as err:
+            raise _from_router(err, _TOOL_CALL) from None
+        return {"count": len(ids), "max_model_len": (await router.context_lengths()).get(model), "tokens": ids}
+
+    @tools.post("/detokenize")
+    async def detokenize(request: Request) -> dict[str, Any]:
+        body = _parse(DetokenizeRequest, await request.body())
+        try:
+            _, tokenizer = await router.tokenizer_for(body.model)
+        except RouterError as err:
+            raise _from_router(err, _TOOL_CALL) from None
+        if any(t >= len(tokenizer) for t in body.tokens):
+            raise ApiError(400, f"tokens: ids must be below the vocabulary size {len(tokenizer)}", "tokens",
+                           "invalid_value")
+        return {"prompt": tokenizer.decode(body.tokens)}
+
+    app.include_router(tools)
 
     @app.get("/healthz")
     async def healthz() -> dict[str, str]:

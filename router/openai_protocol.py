@@ -5,10 +5,10 @@ below, then translated into a pb.GenerateRequest. The engine stays the one place
 values are valid (temperature >= 0, top_p in (0, 1], max_tokens >= 1, ...): here only what the
 proto cannot carry is refused, and the engine's complaint comes back naming the OpenAI field.
 
-Unset fields stay unset in the proto, so the engine's defaults apply, with one exception:
-completions get OpenAI's documented ``max_tokens`` default of 16. Chat completions have no
-OpenAI default (the limit is the context window); without ``max_tokens`` (or
-``max_completion_tokens``) the engine's default applies, which is 16 tokens today.
+Unset fields stay unset in the proto, so the engine's defaults apply, with two exceptions, as
+OpenAI documents them: completions default to ``max_tokens`` 16, and a chat answer without
+``max_tokens`` (or ``max_completion_tokens``) runs until the context ends (proto max_tokens 0).
+A prompt plus max_tokens over the context length is refused, naming both (the engine's check).
 """
 
 from __future__ import annotations
@@ -22,7 +22,9 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from protos import kvcascade_pb2 as pb
 
+MAX_CHOICES = 128  # n, best_of, and prompts x best_of: answers one request may ask for
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's documented default for /v1/completions
+CHAT_UNTIL_CONTEXT_ENDS = 0  # the proto's max_tokens for "no limit but the context"
 Int32 = Annotated[int, Field(ge=-(2**31), le=2**31 - 1)]
 TokenId = Annotated[int, Field(ge=0, le=2**31 - 1)]
 
@@ -56,7 +58,7 @@ class _Request(BaseModel):
     top_p: float | None = None
     seed: int | None = Field(None, ge=0, lt=2**64)  # the proto's uint64
     stop: list[str] | None = None
-    n: int | None = None
+    n: int | None = Field(None, ge=1, le=MAX_CHOICES)
     user: str | None = None  # accepted and ignored
     # Features the engine lacks: accepted only at their neutral value, never silently dropped.
     presence_penalty: float | None = None
@@ -73,13 +75,6 @@ class _Request(BaseModel):
     @classmethod
     def _stop_list(cls, v: Any) -> Any:
         return [v] if isinstance(v, str) else v
-
-    @field_validator("n")
-    @classmethod
-    def _one_choice(cls, v: int | None) -> int | None:
-        if v not in (None, 1):
-            raise ValueError("only n=1 is supported; send one request per choice")
-        return v
 
     @field_validator("presence_penalty", "frequency_penalty")
     @classmethod
@@ -108,38 +103,34 @@ class _Request(BaseModel):
         return s
 
 
+def _token_ids(v: Any) -> bool:
+    return isinstance(v, list) and all(type(t) is int and 0 <= t < 2**31 for t in v)
+
+
 class CompletionRequest(_Request):
-    prompt: str | list[int]
+    # One prompt (a string or token ids) or a batch of them, normalised to a list of prompts.
+    prompt: list[str | list[int]]
     max_tokens: Int32 | None = None
     logprobs: Int32 | None = None
-    echo: bool | None = None
-    best_of: int | None = None
+    echo: bool = False  # the answer starts with the prompt (and, with logprobs, its tokens' logprobs)
+    best_of: int | None = Field(None, ge=1, le=MAX_CHOICES)  # samples per prompt; the n likeliest are returned
+    suffix: str | None = None
 
     @field_validator("prompt", mode="before")
     @classmethod
-    def _one_prompt(cls, v: Any) -> Any:
-        # OpenAI also takes a batch (a list of strings or of token lists); this server answers one.
-        if isinstance(v, list) and v and all(isinstance(p, str | list) for p in v):
-            if len(v) > 1:
-                raise ValueError("a list of several prompts is not supported; send one request per prompt")
-            v = v[0]
-        # Checked here in full, so the union below never fails (its errors would name its members).
-        if isinstance(v, str) or (isinstance(v, list) and all(type(t) is int and 0 <= t < 2**31 for t in v)):
+    def _prompts(cls, v: Any) -> Any:
+        # Checked here in full, so the union above never fails (its errors would name its members).
+        if isinstance(v, str) or (_token_ids(v) and v):
+            return [v]
+        if isinstance(v, list) and v and all(isinstance(p, str) or (_token_ids(p) and p) for p in v):
             return v
-        raise ValueError("must be a string or a list of token ids (integers >= 0)")
+        raise ValueError("must be a string, a list of token ids (integers >= 0), or a non-empty list of either")
 
-    @field_validator("echo")
+    @field_validator("suffix")
     @classmethod
-    def _no_echo(cls, v: bool | None) -> bool | None:
+    def _no_suffix(cls, v: str | None) -> str | None:
         if v:
-            raise ValueError("echo is not supported")
-        return v
-
-    @field_validator("best_of")
-    @classmethod
-    def _no_best_of(cls, v: int | None) -> int | None:
-        if v not in (None, 1):
-            raise ValueError("only best_of=1 is supported")
+            raise ValueError("suffix (fill in the middle) is not supported by these models' prompts")
         return v
 
 
@@ -173,25 +164,73 @@ class ChatRequest(_Request):
     top_logprobs: Int32 | None = None
 
 
+class TokenizeRequest(BaseModel):
+    """``POST /tokenize`` (vLLM's): a completion prompt, or chat messages as the chat endpoint
+    renders them (its template, with the assistant turn opened)."""
+
+    model_config = ConfigDict(extra="ignore", strict=True)
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+
+    def generate_request(self) -> pb.GenerateRequest:
+        if (self.prompt is None) == (self.messages is None):
+            raise BadRequest("prompt", "prompt: give a prompt or messages, not both or neither")
+        request = pb.GenerateRequest(model=self.model or "")
+        if self.prompt is not None:
+            request.text = self.prompt
+        for m in self.messages or ():
+            request.messages.messages.add(role="system" if m.role == "developer" else m.role, content=m.content)
+        return request
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+    model: str | None = None
+    tokens: list[TokenId]
+
+
 # --- translation --------------------------------------------------------------------------------
 
 
 @dataclass
 class Call:
-    """One HTTP request turned into a router request, and what answering it needs."""
+    """One HTTP request turned into router requests, and what answering it needs: one request
+    per sample, ``best_of`` per prompt, prompt-major (sample s is of prompt s // best_of)."""
 
     kind: Literal["completion", "chat"]
-    request: pb.GenerateRequest
+    requests: list[pb.GenerateRequest]
     stream: bool
     include_usage: bool
     # Engine field names (max_tokens, logprobs, prompt, ...) -> the OpenAI field the client set.
     aliases: dict[str, str] = field(default_factory=dict)
     id: str = ""
     created: int = field(default_factory=lambda: int(time.time()))
+    n: int = 1  # choices per prompt
+    best_of: int = 1  # samples per prompt (>= n): the n with the highest cumulative logprob are kept
+    echo: bool = False
+    logprobs: int | None = None  # what the client asked for (best_of > n asks the workers for 0 at least)
+
+    @property
+    def request(self) -> pb.GenerateRequest:
+        """The first sample's request: model, sampling and fields shared by all."""
+        return self.requests[0]
 
     @property
     def wants_logprobs(self) -> bool:
-        return self.request.sampling.HasField("logprobs")
+        return self.logprobs is not None
+
+    def kept(self, samples: list[list[pb.GenerateResponse]]) -> list[tuple[int, int]]:
+        """(choice index, sample) of the answers the client gets: per prompt, its n samples with
+        the highest cumulative logprob when best_of > n, else all of them in order."""
+        out = []
+        for p in range(len(samples) // self.best_of):
+            ids = range(p * self.best_of, (p + 1) * self.best_of)
+            if self.best_of > self.n:
+                ids = sorted(sorted(ids, key=lambda s: -sum(lp.logprob for m in samples[s] for lp in m.logprobs))
+                             [: self.n])
+            out += [(p * self.n + r, s) for r, s in enumerate(ids)]
+        return out
 
     def param(self, engine_field: str) -> str:
         """The OpenAI name of a field the router or the engine complained about."""
@@ -201,16 +240,57 @@ class Call:
 
 def completion_call(body: CompletionRequest) -> Call:
     max_tokens = COMPLETIONS_DEFAULT_MAX_TOKENS if body.max_tokens is None else body.max_tokens
+    if max_tokens < 1:  # 0 would mean "until the context ends" to the worker
+        raise BadRequest("max_tokens", f"max_tokens: must be >= 1, got {max_tokens}")
+    n, best_of = _choices(body, body.best_of)
+    if body.stream and best_of > n:
+        raise BadRequest("best_of", "best_of: cannot be larger than n when streaming (the best are known at the end)")
     rid = f"cmpl-{uuid.uuid4().hex}"
-    request = pb.GenerateRequest(request_id=rid, model=body.model or "",
-                                 sampling=body.sampling(max_tokens, body.logprobs))
-    if isinstance(body.prompt, str):
-        request.text = body.prompt
-    else:
-        request.token_ids.ids[:] = body.prompt
-    _cascade_fields(request, body)
+    # best_of > n ranks samples by their cumulative logprob: the workers send the chosen ones'.
+    worker_logprobs = body.logprobs if body.logprobs is not None or best_of == n else 0
+    template = pb.GenerateRequest(request_id=rid, model=body.model or "",
+                                  sampling=body.sampling(max_tokens, worker_logprobs))
+    if body.echo and body.logprobs is not None:
+        template.sampling.prompt_logprobs = body.logprobs
+    _cascade_fields(template, body)
+    requests = []
+    for prompt in body.prompt:
+        request = pb.GenerateRequest()
+        request.CopyFrom(template)
+        if isinstance(prompt, str):
+            request.text = prompt
+        else:
+            request.token_ids.ids[:] = prompt
+        requests.append(request)
     aliases = {"text": "prompt", "token_ids": "prompt", "prompt_token_ids": "prompt"}
-    return Call("completion", request, body.stream, _include_usage(body), aliases, rid)
+    return Call("completion", _samples(requests, best_of, body.seed), body.stream, _include_usage(body), aliases,
+                rid, n=n, best_of=best_of, echo=body.echo, logprobs=body.logprobs)
+
+
+def _choices(body: _Request, best_of: int | None) -> tuple[int, int]:
+    n = body.n or 1
+    best_of = n if best_of is None else best_of
+    if best_of < n:
+        raise BadRequest("best_of", f"best_of: must be >= n ({n}), got {best_of}")
+    prompts = len(body.prompt) if isinstance(body, CompletionRequest) else 1
+    if prompts * best_of > MAX_CHOICES:
+        raise BadRequest("n", f"n: {prompts} prompt(s) x {best_of} samples is over {MAX_CHOICES} answers")
+    return n, best_of
+
+
+def _samples(requests: list[pb.GenerateRequest], per_prompt: int, seed: int | None) -> list[pb.GenerateRequest]:
+    """``per_prompt`` copies of each request, each its own id and, with a seed, its own seed
+    (seed + i: the samples differ, and the same request gives the same answers again)."""
+    out = []
+    for request in requests:
+        for i in range(per_prompt):
+            sample = pb.GenerateRequest()
+            sample.CopyFrom(request)
+            sample.request_id = f"{request.request_id}-{len(out)}"
+            if seed is not None and i:
+                sample.sampling.seed = (seed + i) % 2**64
+            out.append(sample)
+    return out
 
 
 def chat_call(body: ChatRequest) -> Call:
@@ -218,6 +298,10 @@ def chat_call(body: ChatRequest) -> Call:
         raise BadRequest("top_logprobs", "top_logprobs: needs logprobs set to true")
     max_name = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+    if max_tokens is None:
+        max_tokens = CHAT_UNTIL_CONTEXT_ENDS
+    elif max_tokens < 1:
+        raise BadRequest(max_name, f"{max_name}: must be >= 1, got {max_tokens}")
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     rid = f"chatcmpl-{uuid.uuid4().hex}"
     request = pb.GenerateRequest(request_id=rid, model=body.model or "", sampling=body.sampling(max_tokens, logprobs))
@@ -225,9 +309,11 @@ def chat_call(body: ChatRequest) -> Call:
         # "developer" is OpenAI's newer name for the system turn; chat templates know only "system".
         request.messages.messages.add(role="system" if m.role == "developer" else m.role, content=m.content)
     _cascade_fields(request, body)
+    n, _ = _choices(body, None)
     aliases = {"max_tokens": max_name, "logprobs": "top_logprobs", "prompt": "messages",
                "text": "messages", "token_ids": "messages", "prompt_token_ids": "messages"}
-    return Call("chat", request, body.stream, _include_usage(body), aliases, rid)
+    return Call("chat", _samples([request], n, body.seed), body.stream, _include_usage(body), aliases, rid, n=n,
+                best_of=n, logprobs=logprobs)
 
 
 def _cascade_fields(request: pb.GenerateRequest, body: _Request) -> None:
@@ -253,14 +339,26 @@ def usage(u: pb.Usage) -> dict[str, Any]:
     }
 
 
+@dataclass(frozen=True)
+class Echo:
+    """What ``echo`` puts before a prompt's answers: its text and, for logprobs, its first token
+    (which has no logprob; the workers send the others' as prompt_logprobs)."""
+
+    text: str
+    first_token: int | None = None
+
+
 @dataclass
 class Answer:
-    """Builds one call's OpenAI response, or its stream chunks, from the worker's messages."""
+    """Builds one call's OpenAI response, or its stream chunks, from the workers' messages: one
+    list (or stream) of messages per sample of the call."""
 
     call: Call
     model: str
     tokenizer: Any = None  # turns logprob token ids into strings; None: "token_id:<id>"
-    _text_offset: int = 0  # completions' text_offset runs on across chunks
+    echoes: list[Echo] | None = None  # per prompt, with echo
+    _offsets: dict[int, int] = field(default_factory=dict)  # completions' text_offset, per choice
+    _echoed: set[int] = field(default_factory=set)  # choices whose stream has had its echo
 
     @property
     def _chat(self) -> bool:
@@ -270,41 +368,55 @@ class Answer:
         kind = ("chat.completion.chunk" if chunk else "chat.completion") if self._chat else "text_completion"
         return {"id": self.call.id, "object": kind, "created": self.call.created, "model": self.model}
 
-    def response(self, messages: list[pb.GenerateResponse]) -> dict[str, Any]:
-        text = "".join(m.text for m in messages)
-        last = messages[-1]
-        choice: dict[str, Any] = {"index": 0}
-        if self._chat:
-            choice["message"] = {"role": "assistant", "content": text}
-        else:
-            choice["text"] = text
-        choice["logprobs"] = self._logprobs(messages)
-        choice["finish_reason"] = last.finish_reason or None
-        return {**self._head(chunk=False), "choices": [choice], "usage": usage(last.usage), **_cascade(last)}
+    def response(self, samples: list[list[pb.GenerateResponse]]) -> dict[str, Any]:
+        choices = []
+        for index, s in self.call.kept(samples):
+            messages = samples[s]
+            text = self._echo_text(s) + "".join(m.text for m in messages)
+            choice: dict[str, Any] = {"index": index}
+            if self._chat:
+                choice["message"] = {"role": "assistant", "content": text}
+            else:
+                choice["text"] = text
+            choice["logprobs"] = self._logprobs(index, s, messages)
+            choice["finish_reason"] = messages[-1].finish_reason or None
+            choices.append(choice)
+        lasts = [m[-1] for m in samples]
+        return {**self._head(chunk=False), "choices": choices, "usage": self.usage(lasts), **_cascade(lasts[0])}
 
-    def first_chunk(self) -> dict[str, Any] | None:
-        """Chat streams open with the assistant's role, as OpenAI's do."""
+    def first_chunks(self) -> list[dict[str, Any]]:
+        """Chat streams open with the assistant's role, per choice, as OpenAI's do."""
         if not self._chat:
-            return None
-        return self._chunk({"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                            "finish_reason": None})
+            return []
+        return [self._chunk({"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                             "finish_reason": None}) for i in range(len(self.call.requests))]
 
-    def chunk(self, msg: pb.GenerateResponse) -> dict[str, Any] | None:
-        """The chunk of one worker message; None when it carries nothing to say."""
-        logprobs = self._logprobs([msg])
-        if not msg.text and not msg.finish_reason and not (logprobs and msg.logprobs):
+    def chunk(self, index: int, msg: pb.GenerateResponse) -> dict[str, Any] | None:
+        """The chunk of one worker message of choice ``index`` (streams: one sample per choice);
+        None when it carries nothing to say."""
+        echo = "" if index in self._echoed else self._echo_text(index)
+        self._echoed.add(index)
+        logprobs = self._logprobs(index, index, [msg])
+        if not (echo or msg.text or msg.finish_reason or (logprobs and (msg.logprobs or msg.prompt_logprobs))):
             return None
-        choice: dict[str, Any] = {"index": 0}
+        choice: dict[str, Any] = {"index": index}
         if self._chat:
             choice["delta"] = {"content": msg.text} if msg.text else {}
         else:
-            choice["text"] = msg.text
+            choice["text"] = echo + msg.text
         choice["logprobs"] = logprobs
         choice["finish_reason"] = msg.finish_reason or None
         return {**self._chunk(choice), **_cascade(msg)}
 
-    def usage_chunk(self, u: pb.Usage) -> dict[str, Any]:
-        return {**self._head(chunk=True), "choices": [], "usage": usage(u)}
+    def usage(self, lasts: list[pb.GenerateResponse]) -> dict[str, Any]:
+        """Usage over every sample: each prompt counted once, every sample's generated tokens."""
+        firsts = lasts[:: self.call.best_of]
+        return usage(pb.Usage(prompt_tokens=sum(m.usage.prompt_tokens for m in firsts),
+                              cached_tokens=sum(m.usage.cached_tokens for m in firsts),
+                              completion_tokens=sum(m.usage.completion_tokens for m in lasts)))
+
+    def usage_chunk(self, lasts: list[pb.GenerateResponse]) -> dict[str, Any]:
+        return {**self._head(chunk=True), "choices": [], "usage": self.usage(lasts)}
 
     def _chunk(self, choice: dict[str, Any]) -> dict[str, Any]:
         chunk = {**self._head(chunk=True), "choices": [choice]}
@@ -312,29 +424,36 @@ class Answer:
             chunk["usage"] = None  # OpenAI: null on every chunk but the usage one
         return chunk
 
+    def _echo_text(self, sample: int) -> str:
+        return self.echoes[sample // self.call.best_of].text if self.echoes else ""
+
     # --- logprobs, in each endpoint's format ---------------------------------------------------
 
     def _token(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id]) if self.tokenizer is not None else f"token_id:{token_id}"
 
-    def _logprobs(self, messages: list[pb.GenerateResponse]) -> dict[str, Any] | None:
+    def _logprobs(self, index: int, sample: int, messages: list[pb.GenerateResponse]) -> dict[str, Any] | None:
         if not self.call.wants_logprobs:
             return None
         lps = [lp for m in messages for lp in m.logprobs]
         if self._chat:
             return {"content": [self._chat_logprob(lp) for lp in lps], "refusal": None}
         tokens = [self._token(lp.token_id) for lp in lps]
+        logprobs: list[float | None] = [lp.logprob for lp in lps]
+        # Reversed, so that of two ids with the same text the likelier one's logprob stays.
+        tops: list[dict[str, float] | None] = [{self._token(t.token_id): t.logprob for t in reversed(lp.top)}
+                                               for lp in lps]
+        prompt = [lp for m in messages for lp in m.prompt_logprobs]
+        if self.echoes and prompt:  # echo: the prompt's tokens come first, the first without a logprob
+            first = self.echoes[sample // self.call.best_of].first_token
+            tokens = [self._token(first), *(self._token(lp.token_id) for lp in prompt), *tokens]
+            logprobs = [None, *(lp.logprob for lp in prompt), *logprobs]
+            tops = [None, *({self._token(t.token_id): t.logprob for t in reversed(lp.top)} for lp in prompt), *tops]
         offsets = []
         for token in tokens:
-            offsets.append(self._text_offset)
-            self._text_offset += len(token)
-        return {
-            "tokens": tokens,
-            "token_logprobs": [lp.logprob for lp in lps],
-            # Reversed, so that of two ids with the same text the likelier one's logprob stays.
-            "top_logprobs": [{self._token(t.token_id): t.logprob for t in reversed(lp.top)} for lp in lps],
-            "text_offset": offsets,
-        }
+            offsets.append(self._offsets.get(index, 0))
+            self._offsets[index] = offsets[-1] + len(token)
+        return {"tokens": tokens, "token_logprobs": logprobs, "top_logprobs": tops, "text_offset": offsets}
 
     def _chat_logprob(self, lp: pb.TokenLogprob) -> dict[str, Any]:
         def entry(token_id: int, logprob: float) -> dict[str, Any]:

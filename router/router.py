@@ -216,6 +216,35 @@ class Router:
             served.add(cascade.name)
         return sorted(served)
 
+    async def context_lengths(self) -> dict[str, int]:
+        """Per served model (and the cascade's name), the context length every live worker of it
+        accepts: the smallest they registered (a cascade: over its tiers); absent when none said."""
+        lengths: dict[str, int] = {}
+        for w in await self.live_workers():
+            if w.max_model_len:
+                lengths[w.model] = min(lengths.get(w.model, w.max_model_len), w.max_model_len)
+        cascade = self.cascade_config
+        if cascade is not None and all(m in lengths for m in cascade.models):
+            lengths[cascade.name] = min(lengths[m] for m in cascade.models)
+        return lengths
+
+    async def tokenizer_for(self, model: str | None):
+        """(model name, its tokenizer) for a request naming ``model`` (None: the one served, or
+        the cascade); a cascade's tiers share one vocabulary, so its first tier's serves."""
+        workers = await self.live_workers()
+        if not workers:
+            raise RouterError(grpc.StatusCode.UNAVAILABLE, "no worker is live")
+        served = sorted({w.model for w in workers})
+        cascade = self.cascade_config
+        name = model or (cascade.name if cascade else served[0] if len(served) == 1 else "")
+        if not name:
+            raise RouterError(grpc.StatusCode.INVALID_ARGUMENT, f"model: name one of the served models {served}")
+        source = cascade.tiers[0].model if cascade and name == cascade.name else name
+        pool = [w for w in workers if w.model == source]
+        if not pool:
+            raise RouterError(grpc.StatusCode.INVALID_ARGUMENT, f"model: unknown model {name!r}; served: {served}")
+        return name, await self.tokenizers.of(pool[0])
+
     async def ready(self) -> bool:
         return bool(await self.live_workers())
 

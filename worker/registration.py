@@ -32,7 +32,7 @@ class WorkerPublisher:
         self.info = WorkerInfo(
             worker_id=worker_id, epoch=uuid.uuid4().hex[:12], address=address, model=engine.model_id,
             model_source=model_source, tokenizer=engine.config.tokenizer or "", capacity=engine.config.max_num_seqs, block_size=stats.block_size,
-            tp_size=engine.config.tensor_parallel_size,
+            tp_size=engine.config.tensor_parallel_size, max_model_len=engine.max_model_len,
             load=self._load(),
         )
         self.ttl_s = ttl_s

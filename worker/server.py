@@ -58,6 +58,8 @@ def _sampling_params(sampling: pb.SamplingParams) -> SamplingParams:
     kwargs: dict[str, Any] = {}
     for descriptor, value in sampling.ListFields():
         kwargs[descriptor.name] = list(value) if descriptor.is_repeated else value
+    if kwargs.get("max_tokens") == 0:  # until the context ends
+        kwargs["max_tokens"] = None
     return SamplingParams(**kwargs)
 
 

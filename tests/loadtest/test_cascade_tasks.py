@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from pathlib import Path
 
 import pytest
@@ -224,3 +225,16 @@ def test_the_table_shows_accuracy_and_tier_tokens_side_by_side() -> None:
     assert rows["accuracy"].split()[-2:] == ["66.7%", "n/a"]
     assert rows["tier tokens"].split("  ")[-1].strip() == "n/a"
     assert "small 12.3k (trial 300), large 4.1k (judge 2.0k)" in rows["tier tokens"]
+
+
+def test_a_burst_run_ends_when_its_requests_are_done_not_an_interval_later(tmp_path: Path) -> None:
+    s = scenario_from_dict({"name": "bursts", "max_requests": 8, "max_duration_s": 60,
+                            "arrival": {"kind": "burst", "size": 4, "interval_s": 1.0},
+                            "workload": {"kind": "random", "prompt_words": [2, 4], "output_tokens": [1, 2]}})
+    started = time.perf_counter()
+    results = asyncio.run(_run_against_fake(s, cascade=False))
+    elapsed = time.perf_counter() - started
+    for result in results.values():
+        assert result.stopped_by == "max_requests" and len(result.records) == 8 and all(r.ok for r in result.records)
+    # Two runs of two bursts one second apart: about 2 s; waiting out the next burst would be 4 s.
+    assert elapsed < 3.5, elapsed

@@ -8,6 +8,7 @@ import contextlib
 import json
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,6 +23,7 @@ from contracts.state import WorkerInfo
 from worker.engine.async_engine import AsyncEngine
 from worker.engine.config import EngineConfig
 from worker.engine.llm_engine import LLMEngine
+from worker.engine.sampling_params import SamplingParams
 from worker.server import WorkerServer
 
 from .loop_thread import LoopThread
@@ -57,6 +59,12 @@ class Stack:
         headers = {"Authorization": f"Bearer {key}"} if key else {}
         return httpx.post(f"{self.base_url}{path}", json=body, content=content, headers=headers, timeout=timeout)
 
+    def post_stream(self, path: str, body: Any) -> list[str]:
+        """The ``data:`` lines of a streamed answer, [DONE] left out."""
+        with httpx.stream("POST", f"{self.base_url}{path}", json=body, headers={"Authorization": f"Bearer {KEY}"},
+                          timeout=60) as response:
+            return [line for line in response.iter_lines() if line.startswith("data: {")]
+
     def get(self, path: str, key: str | None = None) -> httpx.Response:
         headers = {"Authorization": f"Bearer {key}"} if key else {}
         return httpx.get(f"{self.base_url}{path}", headers=headers, timeout=30)
@@ -85,7 +93,8 @@ def running_stack(smollm2: LLMEngine, **engine_config: Any) -> Iterator[Stack]:
         await worker.start()
         registry = MemoryRegistry()
         info = WorkerInfo(worker_id="w0", epoch="e1", address=f"127.0.0.1:{worker.port}", model=engine.model_id,
-                          model_source="smollm2-135m", block_size=16, capacity=64)
+                          model_source="smollm2-135m", block_size=16, capacity=64,
+                          max_model_len=engine.max_model_len)
         await registry.register(info, ttl_s=3600)
         router = Router(registry, MemoryPrefixIndex())
         server, task = await serve_http(create_app(router, api_keys=[KEY]), "127.0.0.1", 0)
@@ -188,7 +197,125 @@ def test_chat_logprobs(stack: Stack) -> None:
 
 
 def test_models_lists_the_served_model(stack: Stack) -> None:
-    assert [m.id for m in stack.client().models.list()] == [stack.model]
+    models = stack.client().models.list()
+    assert [m.id for m in models] == [stack.model]
+    assert models.data[0].max_model_len == stack.engine.max_model_len  # vLLM's field
+
+
+# --- as clients use it: context, batches, choices, echo, tokenize -------------------------------
+
+
+def test_max_tokens_over_the_context_names_both_numbers(stack: Stack) -> None:
+    error = stack.post("/v1/completions", {"prompt": PROMPT, "max_tokens": 100000}).json()["error"]
+    length = stack.engine.max_model_len
+    assert error["param"] == "max_tokens" and "100000" in error["message"] and str(length) in error["message"]
+
+
+def test_a_chat_without_max_tokens_runs_until_the_context_ends(smollm2: LLMEngine) -> None:
+    with running_stack(smollm2, max_model_len=80) as small:
+        answer = small.client().chat.completions.create(model=small.model, messages=CHAT, temperature=0,
+                                                         extra_body={"ignore_eos": True})
+        assert answer.choices[0].finish_reason == "length"
+        assert answer.usage.prompt_tokens + answer.usage.completion_tokens == 80  # not OpenAI's completions 16
+
+
+def test_a_pool_smaller_than_the_context_caps_it_and_says_so(smollm2: LLMEngine, caplog) -> None:
+    with caplog.at_level("WARNING"):
+        engine = LLMEngine(EngineConfig(model="smollm2-135m", num_kv_blocks=8), tokenizer=smollm2.tokenizer,
+                           model=smollm2.model)
+    assert engine.max_model_len == 8 * 16 and "max_model_len 8192 -> 128" in caplog.text
+    with pytest.raises(ValueError, match="max_model_len=1000 does not fit the KV pool"):
+        LLMEngine(EngineConfig(model="smollm2-135m", num_kv_blocks=8, max_model_len=1000),
+                  tokenizer=smollm2.tokenizer, model=smollm2.model)
+
+
+def test_a_batch_of_prompts_with_n_choices_each(stack: Stack) -> None:
+    client = stack.client()
+    prompts = [PROMPT, "Once upon a time"]
+    kwargs = dict(model=stack.model, max_tokens=5, temperature=0, extra_body={"ignore_eos": True})
+    alone = [client.completions.create(prompt=p, **kwargs) for p in prompts]
+    both = client.completions.create(prompt=prompts, n=2, **kwargs)
+    assert [c.index for c in both.choices] == [0, 1, 2, 3]
+    assert [c.text for c in both.choices] == [a.choices[0].text for a in alone for _ in range(2)]  # greedy
+    assert both.usage.prompt_tokens == sum(a.usage.prompt_tokens for a in alone)  # each prompt once
+    assert both.usage.completion_tokens == 4 * 5
+    chunks = list(client.completions.create(prompt=prompts, n=2, stream=True,
+                                            stream_options={"include_usage": True}, **kwargs))
+    texts = {i: "".join(c.choices[0].text for c in chunks if c.choices and c.choices[0].index == i) for i in range(4)}
+    assert [texts[i] for i in range(4)] == [c.text for c in both.choices]
+    assert chunks[-1].usage.completion_tokens == 20
+    ids = stack.post("/v1/completions", {"model": stack.model, "prompt": [[1, 2, 3], [4, 5]], "max_tokens": 2})
+    assert ids.status_code == 200 and len(ids.json()["choices"]) == 2  # token-id prompts too
+
+
+def test_chat_n_choices_seeded_sampling(stack: Stack) -> None:
+    client = stack.client()
+    kwargs = dict(model=stack.model, messages=CHAT, max_tokens=8, temperature=1.0, seed=7, n=3)
+    first = client.chat.completions.create(**kwargs)
+    again = client.chat.completions.create(**kwargs)
+    texts = [c.message.content for c in first.choices]
+    assert [c.index for c in first.choices] == [0, 1, 2] and texts == [c.message.content for c in again.choices]
+    assert len(set(texts)) > 1  # seed, seed + 1, seed + 2: different samples
+    chunks = list(client.chat.completions.create(**kwargs, stream=True))
+    streamed = ["".join(c.choices[0].delta.content or "" for c in chunks if c.choices[0].index == i) for i in range(3)]
+    assert streamed == texts
+    assert sorted(c.choices[0].index for c in chunks if c.choices[0].delta.role == "assistant") == [0, 1, 2]
+
+
+def test_best_of_returns_the_likeliest_sample(stack: Stack) -> None:
+    body = {"model": stack.model, "prompt": PROMPT, "max_tokens": 6, "temperature": 1.0, "seed": 3, "ignore_eos": True}
+    samples = stack.post("/v1/completions", {**body, "n": 3, "logprobs": 0}).json()["choices"]
+    best = max(samples, key=lambda c: sum(c["logprobs"]["token_logprobs"]))
+    answer = stack.post("/v1/completions", {**body, "best_of": 3}).json()
+    assert [c["text"] for c in answer["choices"]] == [best["text"]] and answer["choices"][0]["logprobs"] is None
+    assert answer["usage"]["completion_tokens"] == 3 * 6  # every sample's tokens are paid for
+
+
+def test_echo_with_logprobs_scores_the_prompt_as_lm_eval_asks(stack: Stack, smollm2: LLMEngine) -> None:
+    # lm-evaluation-harness's loglikelihood request (local-completions): echo, logprobs 1, max_tokens 1.
+    body = {"model": stack.model, "prompt": PROMPT, "max_tokens": 1, "temperature": 0, "echo": True, "logprobs": 1}
+    choice = stack.post("/v1/completions", body).json()["choices"][0]
+    ids = smollm2.tokenizer.encode(PROMPT, add_special_tokens=False)
+    lp = choice["logprobs"]
+    assert choice["text"].startswith(PROMPT) and len(lp["tokens"]) == len(ids) + 1
+    assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+    assert all(v <= 0 for v in lp["token_logprobs"][1:]) and all(len(t) >= 1 for t in lp["top_logprobs"][1:])
+    assert "".join(lp["tokens"][: len(ids)]) == PROMPT and lp["text_offset"][len(ids)] == len(PROMPT)
+    # The prompt's logprobs are the model's: the engine's prompt_logprobs for the same ids.
+    engine = LLMEngine(EngineConfig(model="smollm2-135m"), tokenizer=smollm2.tokenizer, model=smollm2.model)
+    rid = engine.add_request(ids, SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=0))
+    want = next(o.prompt_logprobs for o in engine.step() if o.request_id == rid)
+    assert lp["token_logprobs"][1: len(ids)] == pytest.approx([e.logprob for e in want], abs=1e-4)
+    chunks = [json.loads(line[6:]) for line in stack.post_stream("/v1/completions", {**body, "stream": True})]
+    assert "".join(c["choices"][0]["text"] for c in chunks) == choice["text"]
+
+
+def test_tokenize_and_detokenize(stack: Stack, smollm2: LLMEngine) -> None:
+    ids = smollm2.tokenizer.encode(PROMPT, add_special_tokens=False)
+    got = stack.post("/tokenize", {"model": stack.model, "prompt": PROMPT}).json()
+    assert got == {"count": len(ids), "max_model_len": stack.engine.max_model_len, "tokens": ids}
+    chat = stack.post("/tokenize", {"messages": CHAT}).json()  # the one served model by default
+    assert chat["tokens"] == smollm2.tokenize(messages=CHAT)
+    assert stack.post("/detokenize", {"tokens": ids}).json() == {"prompt": PROMPT}
+    for path, body, param in [("/tokenize", {"prompt": PROMPT, "messages": CHAT}, "prompt"),
+                              ("/detokenize", {"tokens": [10**9]}, "tokens"),
+                              ("/tokenize", {"model": "nope", "prompt": "x"}, "model")]:
+        error = stack.post(path, body).json()["error"]
+        assert error["param"] == param, error
+    assert stack.post("/tokenize", {"prompt": "x"}, key=None).status_code == 401  # behind the key like /v1
+
+
+def test_many_batched_requests_at_once_and_leaving_frees_every_block(stack: Stack) -> None:
+    client = stack.client()
+    kwargs = dict(model=stack.model, max_tokens=4, temperature=0, extra_body={"ignore_eos": True})
+    want = client.completions.create(prompt=[PROMPT, "Hello"], n=2, **kwargs)
+    with ThreadPoolExecutor(8) as pool:
+        got = list(pool.map(lambda _: client.completions.create(prompt=[PROMPT, "Hello"], n=2, **kwargs), range(8)))
+    assert all([c.text for c in g.choices] == [c.text for c in want.choices] for g in got)
+    with httpx.stream("POST", f"{stack.base_url}/v1/completions", headers={"Authorization": f"Bearer {KEY}"},
+                      json={"model": stack.model, **ENDLESS, "n": 3, "stream": True}, timeout=30) as response:
+        next(response.iter_lines())  # three streams under way, then the client leaves
+    stack.wait_until_idle(within_s=10)
 
 
 # --- errors ---------------------------------------------------------------------------------------
@@ -205,14 +332,20 @@ BAD_BODIES = {
     "max_tokens 0": ("/v1/completions", {"prompt": PROMPT, "max_tokens": 0}, "max_tokens"),
     "max_completion_tokens 0": ("/v1/chat/completions", {**MESSAGES, "max_completion_tokens": 0},
                                 "max_completion_tokens"),
-    "n 2": ("/v1/chat/completions", {**MESSAGES, "n": 2}, "n"),
+    "n 0": ("/v1/chat/completions", {**MESSAGES, "n": 0}, "n"),
+    "n x prompts over the bound": ("/v1/completions", {"prompt": ["a", "b"], "n": 100}, "n"),
+    "best_of below n": ("/v1/completions", {"prompt": PROMPT, "n": 3, "best_of": 2}, "best_of"),
+    "best_of streamed": ("/v1/completions", {"prompt": PROMPT, "best_of": 2, "stream": True}, "best_of"),
+    "suffix": ("/v1/completions", {"prompt": PROMPT, "suffix": "end"}, "suffix"),
+    "max_tokens over the context": ("/v1/completions", {"prompt": PROMPT, "max_tokens": 100000}, "max_tokens"),
     "unknown model": ("/v1/chat/completions", {**MESSAGES, "model": "no-such-model"}, "model"),
     "message without role": ("/v1/chat/completions", {"messages": [{"content": "hi"}]}, "messages[0].role"),
     "unknown role": ("/v1/chat/completions", {"messages": [{"role": "robot", "content": "hi"}]}, "messages[0].role"),
     "image part": ("/v1/chat/completions",
                    {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
                    "messages[0].content"),
-    "several prompts": ("/v1/completions", {"prompt": ["a", "b"]}, "prompt"),
+    "an empty prompt list": ("/v1/completions", {"prompt": []}, "prompt"),
+    "a list with a number": ("/v1/completions", {"prompt": ["a", 3]}, "prompt"),
     "top_logprobs 99": ("/v1/chat/completions", {**MESSAGES, "logprobs": True, "top_logprobs": 99}, "top_logprobs"),
     "stop not strings": ("/v1/completions", {"prompt": PROMPT, "stop": [1]}, "stop[0]"),
 }
@@ -290,7 +423,7 @@ def test_disconnect_while_waiting_for_a_whole_answer_frees_the_blocks(stack: Sta
 
 
 def test_worker_dying_mid_stream_ends_it_with_an_error_event(smollm2: LLMEngine) -> None:
-    with running_stack(smollm2, num_kv_blocks=64) as stack, httpx.Client(timeout=30) as http:
+    with running_stack(smollm2, num_kv_blocks=160) as stack, httpx.Client(timeout=30) as http:
         with http.stream("POST", f"{stack.base_url}/v1/completions", headers={"Authorization": f"Bearer {KEY}"},
                          json={"model": stack.model, **ENDLESS, "stream": True}) as response:
             events = (line.removeprefix("data: ") for line in response.iter_lines() if line.startswith("data: "))

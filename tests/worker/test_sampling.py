@@ -119,7 +119,18 @@ def test_bad_prompts_are_named(make_engine):
     with pytest.raises(InvalidRequestError) as err:
         engine.tokenize(messages=[{"role": "user"}])
     assert err.value.field == "messages[0]"
-    small_pool = make_engine(num_kv_blocks=2)
+    small_pool = make_engine(num_kv_blocks=2)  # 32 tokens: the context it advertises
     with pytest.raises(InvalidRequestError) as err:
         small_pool.validate(list(range(40)), SamplingParams())
-    assert err.value.field == "prompt" and "KV cache" in err.value.message
+    assert err.value.field == "prompt" and "max_model_len=32" in err.value.message
+
+
+def test_max_tokens_past_the_context_is_refused_and_none_runs_to_its_end(make_engine):
+    engine = make_engine(max_model_len=64)
+    with pytest.raises(InvalidRequestError) as err:
+        engine.validate(list(range(1, 41)), SamplingParams(max_tokens=25))
+    assert err.value.field == "max_tokens" and "25" in err.value.message and "64" in err.value.message
+    assert "at most 24" in err.value.message
+    engine.validate(list(range(1, 41)), SamplingParams(max_tokens=24))  # exactly to the end: fine
+    [out] = engine.generate([list(range(1, 41))], SamplingParams(max_tokens=None, temperature=0, ignore_eos=True))
+    assert len(out) == 24

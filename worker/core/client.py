@@ -126,8 +126,7 @@ class EngineCoreClient:
         except BaseException:
             self._kill()
             raise
-        self.inputs = InputProcessor(ready.model_id, tokenizer, ready.max_model_len, ready.vocab_size,
-                                     ready.num_blocks, ready.block_size)
+        self.inputs = InputProcessor(ready.model_id, tokenizer, ready.max_model_len, ready.vocab_size)
         self._stats = EngineStats(0, 0, ready.num_blocks, ready.num_blocks, 0, 0, 0, ready.block_size)
         self._reader = threading.Thread(target=self._read, name="engine-core-reader", daemon=True)
         self._reader.start()

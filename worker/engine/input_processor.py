@@ -19,8 +19,6 @@ class InputProcessor:
     tokenizer: Any  # a Hugging Face tokenizer, or None (token ids only)
     max_model_len: int
     vocab_size: int
-    num_blocks: int  # KV blocks in the pool
-    block_size: int
 
     def tokenize(self, prompt: str | None = None, messages: list[dict] | None = None) -> list[int]:
         """Prompt text or chat messages to token ids, the way the router will do it too."""
@@ -47,8 +45,10 @@ class InputProcessor:
         if n >= self.max_model_len:
             raise InvalidRequestError(
                 "prompt", f"{n} tokens leave no room to generate within max_model_len={self.max_model_len}")
+        if params.max_tokens is not None and n + params.max_tokens > self.max_model_len:
+            raise InvalidRequestError(
+                "max_tokens", f"{params.max_tokens} after a prompt of {n} tokens exceeds the context length of "
+                              f"{self.max_model_len} tokens: at most {self.max_model_len - n}")
         vocab = self.vocab_size
         if any(not 0 <= t < vocab for t in prompt_token_ids):
             raise InvalidRequestError("prompt_token_ids", f"token ids must be in [0, {vocab})")
-        if -(-(n + 1) // self.block_size) > self.num_blocks:
-            raise InvalidRequestError("prompt", f"{n} tokens do not fit the KV cache ({self.num_blocks} blocks)")

@@ -68,10 +68,10 @@ class LLMEngine:
         self.runner = build_runner(config, source, self.model_config, model)
         self.model = self.runner.model
         num_blocks = self.runner.num_blocks
+        self.max_model_len = _fit_to_pool(config, self.max_model_len, num_blocks)
         self.block_manager = BlockManager(num_blocks, config.block_size, self.model_id, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_batched_tokens, config.max_num_seqs)
-        self.inputs = InputProcessor(self.model_id, self.tokenizer, self.max_model_len, self.model_config.vocab_size,
-                                     num_blocks, config.block_size)
+        self.inputs = InputProcessor(self.model_id, self.tokenizer, self.max_model_len, self.model_config.vocab_size)
         self.requests: dict[str, Sequence] = {}
         self._ids = itertools.count()
         self._inflight: _InFlight | None = None  # the lookahead's launched, unread step
@@ -182,7 +182,8 @@ class LLMEngine:
 
     def _ends_by_length(self, seq: Sequence, pending: int = 0) -> bool:
         """``seq`` is done by length once it holds ``pending`` more tokens than are known."""
-        return (seq.num_output_tokens + pending >= seq.params.max_tokens
+        limit = seq.params.max_tokens
+        return ((limit is not None and seq.num_output_tokens + pending >= limit)
                 or len(seq.token_ids) + pending >= self.max_model_len)
 
     def _last_token_pending(self, seq: Sequence) -> bool:
@@ -343,6 +344,23 @@ class _InFlight:
 def _wants_prompt_logprobs(seq: Sequence) -> bool:
     """Prompt logprobs still to compute: the step takes the plain path, which reads them."""
     return seq.params.prompt_logprobs is not None and seq.prompt_logprobs_next < seq.num_prompt_tokens
+
+
+def _fit_to_pool(config: EngineConfig, max_model_len: int, num_blocks: int) -> int:
+    """The context length the engine advertises: every request it accepts can run alone, so a
+    pool smaller than the model's context caps it (said at start-up); a --max-model-len the pool
+    cannot hold is refused."""
+    fits = num_blocks * config.block_size
+    if max_model_len <= fits:
+        return max_model_len
+    if config.max_model_len is not None:
+        raise ValueError(f"max_model_len={config.max_model_len} does not fit the KV pool ({num_blocks} blocks, "
+                         f"{fits} tokens): give it more memory (kv_cache_bytes, gpu_memory_utilization) or "
+                         f"a max_model_len <= {fits}")
+    log.warning("max_model_len %d -> %d: the KV pool (%d blocks of %d) holds no longer request; more memory "
+                "(kv_cache_bytes, gpu_memory_utilization) raises it", max_model_len, fits, num_blocks,
+                config.block_size)
+    return fits
 
 
 def _max_model_len(config: EngineConfig, model_cfg: ModelConfig) -> int:

@@ -12,7 +12,7 @@ MAX_TOP_LOGPROBS = 20
 
 @dataclass
 class SamplingParams:
-    max_tokens: int = 16
+    max_tokens: int | None = 16  # None: until the context ends (max_model_len)
     temperature: float = 1.0  # 0 means greedy
     top_p: float = 1.0  # in (0, 1]
     top_k: int = 0  # 0 means no top-k cut
@@ -31,7 +31,7 @@ class SamplingParams:
     detokenize: bool = True  # False: token ids only (no text, no stop strings), saves CPU per token
 
     def validate(self) -> None:
-        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+        if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
             raise InvalidRequestError("max_tokens", f"must be an integer >= 1, got {self.max_tokens!r}")
         if not math.isfinite(self.temperature) or self.temperature < 0:
             raise InvalidRequestError("temperature", f"must be >= 0, got {self.temperature!r}")
