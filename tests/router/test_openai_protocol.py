@@ -9,7 +9,7 @@ def test_unset_fields_stay_unset() -> None:
     completion = completion_call(CompletionRequest.model_validate({"prompt": "hi"})).request
     assert completion.sampling.max_tokens == 16  # OpenAI's completions default
     chat = chat_call(ChatRequest.model_validate({"messages": [{"role": "user", "content": "hi"}]})).request
-    assert not chat.sampling.HasField("max_tokens")  # chat has no OpenAI default: the engine's applies
+    assert chat.sampling.max_tokens == 0  # chat has no OpenAI default: until the context ends
     for request in (completion, chat):
         for name in ("temperature", "top_p", "seed", "logprobs"):
             assert not request.sampling.HasField(name), name

@@ -172,7 +172,7 @@ def test_a_dead_core_fails_requests_in_process_too():
     try:
         async def run():
             stream = client.generate(prompt_token_ids=[1, 2, 3],
-                                     params=SamplingParams(max_tokens=5000, temperature=0, ignore_eos=True))
+                                     params=SamplingParams(max_tokens=None, temperature=0, ignore_eos=True))
             await anext(stream)
             client.proc.kill()
             with pytest.raises(EngineDeadError, match="exited"):

@@ -145,16 +145,16 @@ def test_arrivals_with_shared_prefixes_seeds_stops_and_a_tight_pool(make_engine,
     longest request."""
     shared = prompt_ids[7] * 2  # ~160 tokens: several full blocks
     prompts = [shared + p for p in prompt_ids[:4]] + prompt_ids[4:]
+    max_len = max(map(len, prompts)) + 8
     params = []
     for i in range(len(prompts)):
-        kw = dict(max_tokens=6 + 3 * i, ignore_eos=i % 3 != 0)
+        # max_model_len cuts the longest prompts' answers (no max_tokens: to the context's end).
+        kw = dict(max_tokens=6 + 3 * i if len(prompts[i]) + 6 + 3 * i <= max_len else None, ignore_eos=i % 3 != 0)
         if i % 2:
             kw.update(temperature=0.9, top_p=0.95, seed=100 + i)
         else:
             kw.update(temperature=0)
         params.append(SamplingParams(**kw))
-    # max_model_len cuts the longest prompts' answers short of max_tokens.
-    max_len = max(map(len, prompts)) + 8
     block_size = make_engine().config.block_size
     # A pool that holds the longest request and little more: preemption now and then.
     config = dict(max_num_batched_tokens=40, num_kv_blocks=-(-max_len // block_size) + 2, max_model_len=max_len)

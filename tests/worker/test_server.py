@@ -201,7 +201,9 @@ def _long_prompt(served: Served) -> dict[str, Any]:
 BAD_REQUESTS = {
     "empty prompt": ({"text": ""}, "prompt"),
     "no prompt": ({}, "prompt"),
-    "max_tokens 0": ({"text": PROMPT, "sampling": pb.SamplingParams(max_tokens=0)}, "sampling.max_tokens"),
+    "max_tokens -1": ({"text": PROMPT, "sampling": pb.SamplingParams(max_tokens=-1)}, "sampling.max_tokens"),
+    "max_tokens past the context": ({"text": PROMPT, "sampling": pb.SamplingParams(max_tokens=10**6)},
+                                    "sampling.max_tokens"),
     "temperature -1": ({"text": PROMPT, "sampling": pb.SamplingParams(temperature=-1)}, "sampling.temperature"),
     "top_p 0": ({"text": PROMPT, "sampling": pb.SamplingParams(top_p=0)}, "sampling.top_p"),
     "top_p 1.5": ({"text": PROMPT, "sampling": pb.SamplingParams(top_p=1.5)}, "sampling.top_p"),
