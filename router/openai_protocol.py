@@ -67,6 +67,8 @@ class _Request(BaseModel):
     top_k: Int32 | None = None  # -1 (vLLM's "off") or 0 disables the cut
     ignore_eos: bool | None = None
     stop_token_ids: list[TokenId] | None = None
+    min_tokens: Int32 | None = None
+    logit_bias: dict[str, float] | None = None  # OpenAI's: token ids (as strings) -> bias in [-100, 100]
     # Cascade extensions (router --cascade): false skips it; a tier name pins that tier.
     cascade: bool | None = None
     tier: str | None = None
@@ -98,6 +100,12 @@ class _Request(BaseModel):
         s.stop.extend(self.stop or ())
         s.stop_token_ids.extend(self.stop_token_ids or ())
         s.ignore_eos = bool(self.ignore_eos)
+        if self.min_tokens is not None:
+            s.min_tokens = self.min_tokens
+        for token, bias in (self.logit_bias or {}).items():
+            if not token.isdigit() or int(token) >= 2**31:
+                raise BadRequest("logit_bias", f"logit_bias: keys must be token ids, got {token!r}")
+            s.logit_bias[int(token)] = bias
         if logprobs is not None:
             s.logprobs = logprobs
         return s

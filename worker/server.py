@@ -57,7 +57,10 @@ def _sampling_params(sampling: pb.SamplingParams) -> SamplingParams:
     """
     kwargs: dict[str, Any] = {}
     for descriptor, value in sampling.ListFields():
-        kwargs[descriptor.name] = list(value) if descriptor.is_repeated else value
+        if descriptor.message_type is not None and descriptor.message_type.GetOptions().map_entry:
+            kwargs[descriptor.name] = dict(value)
+        else:
+            kwargs[descriptor.name] = list(value) if descriptor.is_repeated else value
     if kwargs.get("max_tokens") == 0:  # until the context ends
         kwargs["max_tokens"] = None
     return SamplingParams(**kwargs)

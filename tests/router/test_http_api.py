@@ -290,6 +290,16 @@ def test_echo_with_logprobs_scores_the_prompt_as_lm_eval_asks(stack: Stack, smol
     assert "".join(c["choices"][0]["text"] for c in chunks) == choice["text"]
 
 
+def test_logit_bias_and_min_tokens(stack: Stack) -> None:
+    client = stack.client()
+    forced = client.chat.completions.create(model=stack.model, messages=CHAT, max_tokens=3, temperature=0,
+                                            logit_bias={"1234": 100}, logprobs=True)
+    assert [e.token for e in forced.choices[0].logprobs.content] == [stack.engine.engine.tokenizer.decode([1234])] * 3
+    held = client.chat.completions.create(model=stack.model, messages=[{"role": "user", "content": "Say hi."}],
+                                          max_tokens=60, temperature=0, extra_body={"min_tokens": 50})
+    assert held.usage.completion_tokens >= 50
+
+
 def test_tokenize_and_detokenize(stack: Stack, smollm2: LLMEngine) -> None:
     ids = smollm2.tokenizer.encode(PROMPT, add_special_tokens=False)
     got = stack.post("/tokenize", {"model": stack.model, "prompt": PROMPT}).json()
@@ -337,6 +347,10 @@ BAD_BODIES = {
     "best_of below n": ("/v1/completions", {"prompt": PROMPT, "n": 3, "best_of": 2}, "best_of"),
     "best_of streamed": ("/v1/completions", {"prompt": PROMPT, "best_of": 2, "stream": True}, "best_of"),
     "suffix": ("/v1/completions", {"prompt": PROMPT, "suffix": "end"}, "suffix"),
+    "logit_bias key not a token id": ("/v1/completions", {"prompt": PROMPT, "logit_bias": {"a": 1}}, "logit_bias"),
+    "logit_bias over 100": ("/v1/chat/completions", {**MESSAGES, "logit_bias": {"5": 200}}, "logit_bias"),
+    "min_tokens over max_tokens": ("/v1/completions", {"prompt": PROMPT, "max_tokens": 2, "min_tokens": 3},
+                                   "min_tokens"),
     "max_tokens over the context": ("/v1/completions", {"prompt": PROMPT, "max_tokens": 100000}, "max_tokens"),
     "unknown model": ("/v1/chat/completions", {**MESSAGES, "model": "no-such-model"}, "model"),
     "message without role": ("/v1/chat/completions", {"messages": [{"content": "hi"}]}, "messages[0].role"),

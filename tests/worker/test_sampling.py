@@ -134,3 +134,46 @@ def test_max_tokens_past_the_context_is_refused_and_none_runs_to_its_end(make_en
     engine.validate(list(range(1, 41)), SamplingParams(max_tokens=24))  # exactly to the end: fine
     [out] = engine.generate([list(range(1, 41))], SamplingParams(max_tokens=None, temperature=0, ignore_eos=True))
     assert len(out) == 24
+
+
+@pytest.mark.parametrize("lookahead", [False, True])
+def test_logit_bias_steers_sampling_but_not_the_logprobs(make_engine, prompt_ids, hf_reference, lookahead):
+    engine = make_engine(async_scheduling=lookahead)
+    forced = 1234
+    [out] = engine.generate([prompt_ids[0]], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True,
+                                                            logit_bias={forced: 100.0}))
+    assert out == [forced] * 4
+    banned = hf_reference[0][0]  # greedy's first token, ruled out: the second likeliest comes instead
+    rid = engine.add_request(prompt_ids[0], SamplingParams(max_tokens=1, temperature=0, logprobs=2,
+                                                           logit_bias={banned: -100.0}))
+    outs = []
+    while engine.has_unfinished():
+        outs += [o for o in engine.step() if o.request_id == rid]
+    lp = next(entry for o in outs for entry in o.logprobs or ())
+    assert lp.token_id != banned and lp.token_id == lp.top[1][0]
+    assert lp.top[0][0] == banned and lp.logprob == pytest.approx(lp.top[1][1])  # the model's own logprob
+
+
+@pytest.mark.parametrize("lookahead", [False, True])
+def test_min_tokens_holds_back_eos(make_engine, smollm2, lookahead):
+    engine = make_engine(async_scheduling=lookahead)
+    prompt = smollm2.tokenize(messages=[{"role": "user", "content": "Say hi."}])
+    [free] = engine.generate([prompt], SamplingParams(max_tokens=40, temperature=0))
+    assert free[-1] in engine.eos_token_ids and len(free) < 35  # a short answer that ends with EOS
+    at_least = len(free) + 5
+    [held] = engine.generate([prompt], SamplingParams(max_tokens=40, temperature=0, min_tokens=at_least))
+    assert len(held) >= at_least and not set(held[: at_least - 1]) & engine.eos_token_ids
+    assert held[: len(free) - 1] == free[:-1]  # the same answer up to where EOS was ruled out
+
+
+@pytest.mark.parametrize("field, params", [
+    ("min_tokens", SamplingParams(min_tokens=-1)),
+    ("min_tokens", SamplingParams(max_tokens=4, min_tokens=5)),
+    ("logit_bias", SamplingParams(logit_bias={5: 101.0})),
+    ("logit_bias", SamplingParams(logit_bias={5: float("nan")})),
+    ("logit_bias", SamplingParams(logit_bias={10**8: 1.0})),
+])
+def test_bad_steering_fields_are_named(smollm2, field, params):
+    with pytest.raises(InvalidRequestError) as err:
+        smollm2.validate([1, 2, 3], params)
+    assert err.value.field == field

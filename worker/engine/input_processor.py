@@ -52,3 +52,5 @@ class InputProcessor:
         vocab = self.vocab_size
         if any(not 0 <= t < vocab for t in prompt_token_ids):
             raise InvalidRequestError("prompt_token_ids", f"token ids must be in [0, {vocab})")
+        if any(not 0 <= t < vocab for t in params.logit_bias):
+            raise InvalidRequestError("logit_bias", f"token ids must be in [0, {vocab})")

@@ -22,7 +22,7 @@ import torch
 from worker.distributed.group import get_tp
 from worker.engine.config import EngineConfig
 from worker.engine.outputs import TokenLogprob
-from worker.engine.sampler import sample, sample_tokens
+from worker.engine.sampler import sample, sample_tokens, steer
 from worker.engine.scheduler import ScheduledSeq
 from worker.models.attention import AttentionBackend, AttentionMetadata, forward_context
 from worker.models.config import ModelConfig
@@ -78,6 +78,7 @@ class ModelRunner:
         self.block_size = config.block_size
         self._closed = False
         self.num_blocks = num_blocks
+        self.eos_token_ids = frozenset(model_cfg.eos_token_ids)  # what min_tokens holds back
         dtype = DTYPES[config.dtype]
         shape = (num_blocks, config.block_size, model.kv_heads, model_cfg.head_dim)
         self.kv_caches = [
@@ -155,7 +156,8 @@ class ModelRunner:
         logits, _ = self.execute(inputs, ids)
         if logits is None:  # prefill chunks only: nothing samples
             return PendingTokens(torch.empty(0, dtype=torch.long, device=self.device))
-        return PendingTokens(sample_tokens(logits, [s.params for s in samplers],
+        params = [s.params for s in samplers]
+        return PendingTokens(sample_tokens(steer(logits, params, self._hold(samplers)), params,
                                            [s.generator_on(logits.device) for s in samplers]))
 
     @torch.inference_mode()
@@ -214,6 +216,19 @@ class ModelRunner:
             at += count
         return out
 
+    def _hold(self, seqs: list) -> list[list[int] | None]:
+        """Per sampled sequence, the token ids it may not sample yet: under ``min_tokens`` (its
+        tokens so far, those in flight included), EOS (unless ignored) and its stop ids."""
+        out: list[list[int] | None] = []
+        for seq in seqs:
+            p = seq.params
+            if p.min_tokens and seq.num_output_tokens + seq.num_pending_tokens < p.min_tokens:
+                ids = set(p.stop_token_ids) | (set() if p.ignore_eos else self.eos_token_ids)
+                out.append(sorted(ids) or None)
+            else:
+                out.append(None)
+        return out
+
     def follow(self) -> None:
         """Ranks > 0: run the steps rank 0 broadcasts until it broadcasts None (``close``); their
         logits and prompt logprobs go unread (rank 0 samples)."""
@@ -231,7 +246,8 @@ class ModelRunner:
         results: list[tuple[int, TokenLogprob | None] | None] = [None] * len(batch)
         samplers = [item for item in batch if item.samples]
         tokens, logprobs = sample(logits, [s.seq.params for s in samplers],
-                                  [s.seq.generator_on(logits.device) for s in samplers])
+                                  [s.seq.generator_on(logits.device) for s in samplers],
+                                  self._hold([s.seq for s in samplers]))
         it = iter(zip(tokens, logprobs))
         for i, item in enumerate(batch):
             if item.samples:

@@ -36,11 +36,31 @@ def sample_tokens(logits: torch.Tensor, params: list[SamplingParams],
     return tokens
 
 
+def steer(logits: torch.Tensor, params: list[SamplingParams], hold: list[list[int] | None]) -> torch.Tensor:
+    """The logits the rows sample from: each row's ``logit_bias`` added, and the token ids in its
+    ``hold`` (EOS and stop ids while it is under ``min_tokens``) ruled out. The same tensor when no
+    row asks for either (the usual case: no copy)."""
+    rows = [i for i, p in enumerate(params) if p.logit_bias or hold[i]]
+    if not rows:
+        return logits
+    out = logits.clone()
+    for i in rows:
+        if params[i].logit_bias:
+            ids = to_device(list(params[i].logit_bias), logits.device, torch.long)
+            bias = to_device(list(params[i].logit_bias.values()), logits.device, torch.float32)
+            out[i].index_add_(0, ids, bias.to(out.dtype))
+        if hold[i]:
+            out[i, to_device(hold[i], logits.device, torch.long)] = float("-inf")
+    return out
+
+
 def sample(
-    logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]
+    logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None],
+    hold: list[list[int] | None] | None = None,
 ) -> tuple[list[int], list[TokenLogprob | None]]:
-    """One token per row of ``logits`` [N, V]; with it, its logprob entry when asked for."""
-    tokens = sample_tokens(logits, params, generators)
+    """One token per row of ``logits`` [N, V] (steered: ``steer``); with it, its logprob entry
+    when asked for, from the model's own distribution."""
+    tokens = sample_tokens(steer(logits, params, hold or [None] * len(params)), params, generators)
     token_list = tokens.tolist()
     want = [i for i, p in enumerate(params) if p.logprobs is not None]
     entries: list[TokenLogprob | None] = [None] * len(params)

@@ -20,6 +20,10 @@ class SamplingParams:
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
+    min_tokens: int = 0  # EOS and stop_token_ids cannot end the answer before this many tokens
+    # Added to the logits of these token ids before sampling (-100: never, 100: always); logprobs
+    # stay those of the model's own distribution.
+    logit_bias: dict[int, float] = field(default_factory=dict)
     # None: no logprobs; 0: the chosen token's logprob only; N: also the N most likely tokens.
     logprobs: int | None = None
     # Logprobs of the prompt's own tokens from index prompt_logprobs_start on (the first token
@@ -46,6 +50,13 @@ class SamplingParams:
                                       f"must be in [0, {MAX_TOP_LOGPROBS}], got {self.prompt_logprobs!r}")
         if not isinstance(self.prompt_logprobs_start, int) or self.prompt_logprobs_start < 0:
             raise InvalidRequestError("prompt_logprobs_start", f"must be >= 0, got {self.prompt_logprobs_start!r}")
+        if not isinstance(self.min_tokens, int) or self.min_tokens < 0:
+            raise InvalidRequestError("min_tokens", f"must be an integer >= 0, got {self.min_tokens!r}")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise InvalidRequestError("min_tokens", f"{self.min_tokens} is more than max_tokens {self.max_tokens}")
+        for token, bias in self.logit_bias.items():
+            if not -100 <= bias <= 100:  # (NaN fails too)
+                raise InvalidRequestError("logit_bias", f"token {token}: a bias must be in [-100, 100], got {bias!r}")
         if self.stop and not self.detokenize:
             raise InvalidRequestError("stop", "stop strings need detokenize=True")
         if any(not s for s in self.stop):
