@@ -93,6 +93,17 @@ def decide(setting: Setting, own: dict[str, float | None], judge: dict[str, floa
     return jscore is not None and _surer(setting.judge_measure, jscore, setting.judge_threshold), True
 
 
+def _cost(tier: dict, k: int) -> float:
+    """Compute of ``tier`` answering task ``k``: 2 x parameters x (prompt + generated tokens)."""
+    ans = tier["answers"][k]
+    return 2 * tier["params"] * (ans["prompt_tokens"] + ans["completion_tokens"])
+
+
+def _last_alone(runs: dict, idx: Sequence[int]) -> float:
+    """What every relative compute figure divides by: the last tier answering ``idx`` alone."""
+    return sum(_cost(runs["tiers"][-1], k) for k in idx)
+
+
 def replay(runs: dict, idx: Sequence[int], settings: Sequence[Setting]) -> dict:
     """Accuracy, cost and escalations of the cascade with ``settings`` (one per tier but the last)
     over the tasks ``idx``; compute is relative to the last tier alone."""
@@ -105,7 +116,7 @@ def replay(runs: dict, idx: Sequence[int], settings: Sequence[Setting]) -> dict:
         for i, tier in enumerate(tiers):
             ans = tier["answers"][k]
             reached[i] += 1
-            compute += 2 * tier["params"] * (ans["prompt_tokens"] + ans["completion_tokens"])
+            compute += _cost(tier, k)
             if i == len(tiers) - 1:
                 right += ans["correct"]
                 break
@@ -119,11 +130,8 @@ def replay(runs: dict, idx: Sequence[int], settings: Sequence[Setting]) -> dict:
             if was_judged:  # the next tier's prompt blocks are in its prefix cache now
                 nxt = tiers[i + 1]["answers"][k]["prompt_tokens"]
                 compute -= 2 * tiers[i + 1]["params"] * (nxt // block * block)
-    last = tiers[-1]
-    base = sum(2 * last["params"] * (last["answers"][k]["prompt_tokens"] + last["answers"][k]["completion_tokens"])
-               for k in idx)
     n = len(idx)
-    return {"accuracy": right / n, "compute": compute / base, "last_tier_share": reached[-1] / n,
+    return {"accuracy": right / n, "compute": compute / _last_alone(runs, idx), "last_tier_share": reached[-1] / n,
             "judged": judged / n, "settings": [asdict(s) for s in settings]}
 
 
@@ -137,23 +145,14 @@ def oracle(runs: dict, idx: Sequence[int]) -> dict:
         answering = next((i for i, t in enumerate(tiers) if t["answers"][k]["correct"]), 0)
         right += tiers[answering]["answers"][k]["correct"]
         last_share += answering == len(tiers) - 1
-        for tier in tiers[: answering + 1]:
-            ans = tier["answers"][k]
-            compute += 2 * tier["params"] * (ans["prompt_tokens"] + ans["completion_tokens"])
-    last = tiers[-1]
-    base = sum(2 * last["params"] * (last["answers"][k]["prompt_tokens"] + last["answers"][k]["completion_tokens"])
-               for k in idx)
-    return {"accuracy": right / len(idx), "compute": compute / base, "last_tier_share": last_share / len(idx),
-            "judged": 0.0}
+        compute += sum(_cost(tier, k) for tier in tiers[: answering + 1])
+    return {"accuracy": right / len(idx), "compute": compute / _last_alone(runs, idx),
+            "last_tier_share": last_share / len(idx), "judged": 0.0}
 
 
 def compute_alone(runs: dict, tier: int, idx: Sequence[int]) -> float:
     """Compute of ``tier`` answering every task alone, relative to the last tier alone."""
-    def cost(t: dict) -> float:
-        return sum(2 * t["params"] * (t["answers"][k]["prompt_tokens"] + t["answers"][k]["completion_tokens"])
-                   for k in idx)
-
-    return cost(runs["tiers"][tier]) / cost(runs["tiers"][-1])
+    return sum(_cost(runs["tiers"][tier], k) for k in idx) / _last_alone(runs, idx)
 
 
 def accuracy(runs: dict, tier: int, idx: Sequence[int]) -> float:

@@ -230,7 +230,8 @@ class CascadeRun:
         req.token_ids.ids[:] = prompt + trial.token_ids
         req.sampling.max_tokens = 1
         req.sampling.temperature = 0.0
-        req.sampling.prompt_logprobs = judge.create_measure().top_logprobs
+        measure = judge.create_measure()
+        req.sampling.prompt_logprobs = measure.top_logprobs
         req.sampling.prompt_logprobs_start = len(prompt)
         scored: list[pb.TokenLogprob] = []
         usage = None
@@ -240,7 +241,7 @@ class CascadeRun:
                 if msg.HasField("usage"):
                     usage = msg.usage
         self._count(judge_tier, "judge", usage)
-        score = judge.create_measure().score(scored) if scored else None
+        score = measure.score(scored) if scored else None
         self.judge_score = score
         accepted = score is not None and judge.accepts(score)
         self.metrics.cascade_judgements.labels(name, "accept" if accepted else "reject").inc()
@@ -264,10 +265,9 @@ class CascadeRun:
 
     def _finish_message(self, msg: pb.GenerateResponse, trial: _Trial, confidence: float | None) -> None:
         """The answer's last message: its confidence and, when reporting, every tier's usage."""
-        if self.plan.report:
-            msg.confidence = confidence or 0.0
         self._count(trial.tier, "answer", trial.usage, completion=trial.tokens)
         if self.plan.report:
+            msg.confidence = confidence or 0.0
             msg.tier_usage.extend(self.usage)
             if self.judge_score is not None:
                 msg.judge_score = self.judge_score

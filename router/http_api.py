@@ -215,17 +215,11 @@ async def _model_and_tokenizer(router: Router, call: Call) -> tuple[str, Any]:
     needs_tokenizer = call.wants_logprobs or call.echo
     if model and not needs_tokenizer:
         return model, None
-    workers = await router.live_workers()
-    cascade = router.cascade_config
-    if not model:
-        served = sorted({w.model for w in workers})
-        model = cascade.name if cascade else served[0] if len(served) == 1 else ""  # else Router.generate names them
-    # A cascade's tiers share one tokenizer (one family), so the first tier's serves for logprobs.
-    source = cascade.tiers[0].model if cascade and model == cascade.name else model
-    pool = [w for w in workers if w.model == source]
-    if not needs_tokenizer or not pool:
-        return model, None
-    return model, await router.tokenizers.of(pool[0])
+    try:
+        model, pool = await router.serving(model or None)
+    except RouterError:
+        return model, None  # Router.generate refuses the request, saying why
+    return model, await router.tokenizers.of(pool[0]) if needs_tokenizer else None
 
 
 async def _echoes(call: Call, tokenizer: Any) -> list[Echo] | None:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import time
 import uuid
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Annotated, Any, Literal
 
@@ -187,8 +188,7 @@ class TokenizeRequest(BaseModel):
         request = pb.GenerateRequest(model=self.model or "")
         if self.prompt is not None:
             request.text = self.prompt
-        for m in self.messages or ():
-            request.messages.messages.add(role="system" if m.role == "developer" else m.role, content=m.content)
+        _add_messages(request, self.messages or ())
         return request
 
 
@@ -313,15 +313,19 @@ def chat_call(body: ChatRequest) -> Call:
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     rid = f"chatcmpl-{uuid.uuid4().hex}"
     request = pb.GenerateRequest(request_id=rid, model=body.model or "", sampling=body.sampling(max_tokens, logprobs))
-    for m in body.messages:
-        # "developer" is OpenAI's newer name for the system turn; chat templates know only "system".
-        request.messages.messages.add(role="system" if m.role == "developer" else m.role, content=m.content)
+    _add_messages(request, body.messages)
     _cascade_fields(request, body)
     n, _ = _choices(body, None)
     aliases = {"max_tokens": max_name, "logprobs": "top_logprobs", "prompt": "messages",
                "text": "messages", "token_ids": "messages", "prompt_token_ids": "messages"}
     return Call("chat", _samples([request], n, body.seed), body.stream, _include_usage(body), aliases, rid, n=n,
                 best_of=n, logprobs=logprobs)
+
+
+def _add_messages(request: pb.GenerateRequest, messages: Iterable[ChatMessage]) -> None:
+    for m in messages:
+        # "developer" is OpenAI's newer name for the system turn; chat templates know only "system".
+        request.messages.messages.add(role="system" if m.role == "developer" else m.role, content=m.content)
 
 
 def _cascade_fields(request: pb.GenerateRequest, body: _Request) -> None:

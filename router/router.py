@@ -231,6 +231,12 @@ class Router:
     async def tokenizer_for(self, model: str | None):
         """(model name, its tokenizer) for a request naming ``model`` (None: the one served, or
         the cascade); a cascade's tiers share one vocabulary, so its first tier's serves."""
+        name, pool = await self.serving(model)
+        return name, await self.tokenizers.of(pool[0])
+
+    async def serving(self, model: str | None) -> tuple[str, list[WorkerInfo]]:
+        """The model name a request naming ``model`` gets (None: the one served, or the cascade)
+        and the live workers whose tokenizer reads its prompts (a cascade's: its first tier's)."""
         workers = await self.live_workers()
         if not workers:
             raise RouterError(grpc.StatusCode.UNAVAILABLE, "no worker is live")
@@ -243,7 +249,7 @@ class Router:
         pool = [w for w in workers if w.model == source]
         if not pool:
             raise RouterError(grpc.StatusCode.INVALID_ARGUMENT, f"model: unknown model {name!r}; served: {served}")
-        return name, await self.tokenizers.of(pool[0])
+        return name, pool
 
     async def ready(self) -> bool:
         return bool(await self.live_workers())
