@@ -3,6 +3,7 @@
     python benchmarks/router_capacity.py --tokenizer TOKDIR [--concurrency 128 256 512 1024]
         [--protocols grpc http] [--processes 4] [--server-processes 4] [--workers 4] [--interval-ms 20]
         [--max-tokens 256] [--duration 20] [--router-args "--http-workers 4"] [--out router_capacity.json]
+        [--overhead 200]
 
 Behind one `kvcascade router` (--tokenizer TOKDIR, so no model files; --router-args adds flags): a
 redis-server of its own and --server-processes fake workers (loadtest/fake_server.py), each sending
@@ -20,6 +21,13 @@ between the run's own start and end) of the router's process tree (summed, and i
 of the fake workers, of redis-server and of the harness, with how busy the whole machine was. The
 router's capacity is the most tok/s it relayed with its busiest process below 0.95 of a core, and its
 saturation the most tok/s with it at or above; a short table comes last, the rows as JSON in --out.
+
+With --overhead N, first the router's own latency at low load: N requests one at a time (prompts of
+about 580 words, as workload (b)'s mean, 8 tokens each), straight to a fake worker over gRPC, then
+through the router over gRPC and over HTTP; the TTFT p50/p90 of each and p50 minus the straight
+p50. A fake worker neither tokenizes nor computes, so the difference is the router's alone: its
+hop, the registry snapshot, tokenizing the prompt and the prefix-index lookup (a real worker given
+text tokenizes it too, so against one the router's share is smaller by the tokenizing).
 """
 
 from __future__ import annotations
@@ -225,6 +233,32 @@ def verdict(c: dict[str, Any], most_users: int) -> str:
     return f"{c['protocol']}: router capacity {below}; {at}"
 
 
+OVERHEAD_WORDS = 580  # workload (b)'s mean prompt, in words (about a token each)
+
+
+def overhead(worker: str, router_grpc: str, router_http: str, n: int, interval_ms: float) -> dict[str, Any]:
+    """TTFTs of ``n`` requests one at a time, straight to ``worker`` and through the router; each path's
+    prompts are new (none cached), the same lengths on every path."""
+    import random
+
+    from benchmarks.served_gpu import _sequential, pct
+    from loadtest.text import words
+
+    def prompts(salt: str) -> list[tuple[str, int]]:
+        rng = random.Random(0)
+        return [(f"{salt}-{i} {words(rng, OVERHEAD_WORDS)}", 8) for i in range(n)]
+
+    out: dict[str, Any] = {"requests": n, "prompt_words": OVERHEAD_WORDS, "interval_ms": interval_ms}
+    ttfts = {label: _sequential(address, protocol, prompts(label))
+             for label, protocol, address in [("grpc_worker", "grpc", worker), ("grpc_router", "grpc", router_grpc),
+                                              ("http_router", "http", router_http)]}
+    for label, t in ttfts.items():
+        out[f"{label}_ttft_p50_ms"], out[f"{label}_ttft_p90_ms"] = 1e3 * pct(t, 50), 1e3 * pct(t, 90)
+        if label != "grpc_worker":
+            out[f"{label}_overhead_p50_ms"] = 1e3 * (pct(t, 50) - pct(ttfts["grpc_worker"], 50))
+    return out
+
+
 def main() -> int:
     cores = os.cpu_count() or 1
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -242,6 +276,8 @@ def main() -> int:
     ap.add_argument("--router-args", default="", help="extra router flags, e.g. '--http-workers 4'")
     ap.add_argument("--logs", type=Path, help="router log folder (default: a new temporary one)")
     ap.add_argument("--out", type=Path, help="write the rows and capacities as JSON here")
+    ap.add_argument("--overhead", type=int, default=0, metavar="N",
+                    help="first, N requests one at a time straight to a fake worker and through the router (TTFTs)")
     args = ap.parse_args()
     if not args.tokenizer.is_dir():
         ap.error(f"--tokenizer {args.tokenizer}: not a folder")
@@ -263,6 +299,10 @@ def main() -> int:
                         *shlex.split(args.router_args)], logs / "router.log", http_port, timeout=120)
         others = {"servers": [p.pid for p in servers], "redis": [redis.proc.pid]}
         targets = {"grpc": f"grpc://127.0.0.1:{port}", "http": f"http://127.0.0.1:{http_port}"}
+        if args.overhead:
+            low_load = overhead(addresses[0], f"127.0.0.1:{port}", f"http://127.0.0.1:{http_port}", args.overhead,
+                                args.interval_ms)
+            print(f"router overhead at low load: {json.dumps(low_load)}", flush=True)
         for protocol in args.protocols:
             # Short requests first, as long as they take: every router process loads its tokenizer
             # (seconds) and dials the workers.
@@ -283,6 +323,10 @@ def main() -> int:
     print(f"router capacity: {cores} cores, {workers} workers in {args.server_processes} fake-worker process(es) "
           f"at {args.interval_ms:g} ms a token, {args.max_tokens} tokens a request, {args.processes} harness "
           f"process(es), router args {args.router_args!r} (log: {logs / 'router.log'})")
+    if args.overhead:
+        o = low_load
+        print(f"router overhead at low load (TTFT p50 minus straight to the worker's, {o['grpc_worker_ttft_p50_ms']:.2f} "
+              f"ms): gRPC +{o['grpc_router_overhead_p50_ms']:.2f} ms, HTTP +{o['http_router_overhead_p50_ms']:.2f} ms")
     caps = [capacity(rows, protocol) for protocol in args.protocols]
     for c in caps:
         print(verdict(c, max(args.concurrency)))
@@ -293,7 +337,8 @@ def main() -> int:
     print(table(rows))
     if args.out:
         args.out.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "cores": cores,
-                                        "capacity": caps, "rows": rows}, indent=2))
+                                        "capacity": caps, "rows": rows,
+                                        "overhead": low_load if args.overhead else None}, indent=2))
     return 0
 
 

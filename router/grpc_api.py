@@ -61,7 +61,7 @@ class RouterServicer(pb_grpc.KVCascadeServicer):
     async def Stats(self, request: pb.StatsRequest, context: grpc.aio.ServicerContext) -> pb.StatsResponse:
         """The sum over live workers (their last heartbeats) and this router's prefix-hit counters."""
         await self._check_key(context)
-        workers = await self.router.live_workers()
+        workers = await self.router.live_workers(fresh=True)
         queries, hits = self.router.prompt_tokens_total, self.router.cached_tokens_total
         return pb.StatsResponse(
             running=sum(w.load.running for w in workers),

@@ -4,8 +4,14 @@ Front ends (gRPC in grpc_api.py, HTTP in http_api.py) call ``Router.generate`` w
 GenerateRequest and get the worker's GenerateResponse messages back, or a RouterError.
 
     request -> tokens (chat template applied exactly as a worker would) -> block hashes
-            -> registry.live_workers + index.match (one round trip each)
+            -> index.match (one round trip) with the live workers (a snapshot of the registry)
             -> policy.order -> first worker that answers -> stream
+
+The registry is read at most every ``registry_max_age_s`` (0.1 s): requests share the last read,
+and one older than that is used as it is while a background read replaces it, so no request waits
+on the registry unless the last read is over ``registry_stale_s`` (1 s, a worker's heartbeat
+period) old, or names a model the snapshot does not have yet. Heartbeats are a second apart, so
+the load a snapshot carries is as fresh as a read's; a worker that fails is taken out at once.
 
 With a cascade file (router/cascade.py), a request for the cascade runs through its tiers, each
 tier's answer coming from this same path (``_answer``) for that tier's model.
@@ -51,6 +57,8 @@ class RouterConfig:
     max_attempts: int = 3  # workers tried before the first token
     default_timeout_s: float | None = None  # per request, when the client sets no deadline
     tokenizer: str | None = None  # --tokenizer: one tokenizer for every model instead of each worker's
+    registry_max_age_s: float = 0.1  # a registry read this recent serves requests as it is
+    registry_stale_s: float = 1.0  # one older than this is read again before a request uses it
 
 
 class Tokenizers:
@@ -123,7 +131,9 @@ class Router:
         self._in_flight: dict[str, int] = defaultdict(int)
         self.prompt_tokens_total = 0  # over finished requests, for Stats
         self.cached_tokens_total = 0
-        self._last_workers: list[WorkerInfo] = []
+        self._last_workers: list[WorkerInfo] = []  # the registry's last answer, less workers marked down
+        self._read_at = -float("inf")  # when it was read (time.monotonic())
+        self._reading: asyncio.Future[None] | None = None  # the read under way, shared by its callers
         self._state_ok = True
         # (worker_id, epoch) -> when a call to it failed as if it were gone: it gets no traffic until
         # it heartbeats after that (a restarted worker comes back under a new epoch, at once).
@@ -151,20 +161,42 @@ class Router:
         self._state_ok = True
         self.metrics.state_up.set(1)
 
-    async def live_workers(self) -> list[WorkerInfo]:
+    async def live_workers(self, fresh: bool = False) -> list[WorkerInfo]:
+        """The live workers, less those marked down: the last registry read while it is recent
+        (see the module's docstring), a new one when ``fresh``. Redis down: the last known ones."""
+        age = time.monotonic() - self._read_at
+        if fresh or age >= self.config.registry_stale_s:
+            await self._read_registry()
+        elif age >= self.config.registry_max_age_s and self._reading is None:
+            self._reading = asyncio.ensure_future(self._read())  # the next requests get its answer
+        return self._without_down(self._last_workers)
+
+    async def _read_registry(self) -> None:
+        if self._reading is None:
+            self._reading = asyncio.ensure_future(self._read())
+        await asyncio.shield(self._reading)  # a caller that is cancelled leaves the read to the others
+
+    async def _read(self) -> None:
         try:
             workers = await self.registry.live_workers()
-        except Exception as exc:  # Redis down: the last known workers, load-only
+        except Exception as exc:  # kept, with its time: the next request tries again
             self._state_failed("worker registry", exc)
-            return list(self._last_workers)
+            return
+        finally:
+            self._reading = None
         self._state_answered()
-        workers = self._without_down(workers)
-        self._last_workers = workers
+        self._last_workers, self._read_at = workers, time.monotonic()
         self.metrics.workers_live.set(len(workers))
         for w in workers:
             self.metrics.worker_running.labels(w.worker_id).set(w.load.running)
             self.metrics.worker_waiting.labels(w.worker_id).set(w.load.waiting)
             self.metrics.worker_kv_free.labels(w.worker_id).set(w.load.kv_blocks_free)
+
+    async def _workers_of(self, model: str | None) -> list[WorkerInfo]:
+        """The live workers, read again when none of them serves ``model`` (one just registered)."""
+        workers = await self.live_workers()
+        if not workers or (model and all(w.model != model for w in workers)):
+            workers = await self.live_workers(fresh=True)
         return workers
 
     def _without_down(self, workers: list[WorkerInfo]) -> list[WorkerInfo]:
@@ -187,9 +219,7 @@ class Router:
         if (worker.worker_id, worker.epoch) not in self._down:
             log.warning("worker %s (epoch %s) is down (%s): no requests until it heartbeats again",
                         worker.worker_id, worker.epoch, why)
-        self._down[(worker.worker_id, worker.epoch)] = time.time()
-        self._last_workers = [w for w in self._last_workers if w.worker_id != worker.worker_id
-                              or w.epoch != worker.epoch]
+        self._down[(worker.worker_id, worker.epoch)] = time.time()  # live_workers leaves it out
 
     async def sweep(self) -> list[str]:
         """Drop index entries of workers that are no longer live (they never match, but use memory)."""
@@ -211,7 +241,7 @@ class Router:
             await self.sweep()
 
     async def models(self) -> list[str]:
-        served = {w.model for w in await self.live_workers()}
+        served = {w.model for w in await self.live_workers(fresh=True)}
         if (cascade := self.cascade_config) is not None and set(cascade.models) <= served:
             served.add(cascade.name)
         return sorted(served)
@@ -220,7 +250,7 @@ class Router:
         """Per served model (and the cascade's name), the context length every live worker of it
         accepts: the smallest they registered (a cascade: over its tiers); absent when none said."""
         lengths: dict[str, int] = {}
-        for w in await self.live_workers():
+        for w in await self.live_workers(fresh=True):
             if w.max_model_len:
                 lengths[w.model] = min(lengths.get(w.model, w.max_model_len), w.max_model_len)
         cascade = self.cascade_config
@@ -237,11 +267,11 @@ class Router:
     async def serving(self, model: str | None) -> tuple[str, list[WorkerInfo]]:
         """The model name a request naming ``model`` gets (None: the one served, or the cascade)
         and the live workers whose tokenizer reads its prompts (a cascade's: its first tier's)."""
-        workers = await self.live_workers()
+        cascade = self.cascade_config
+        workers = await self._workers_of(cascade.tiers[0].model if cascade and model == cascade.name else model)
         if not workers:
             raise RouterError(grpc.StatusCode.UNAVAILABLE, "no worker is live")
         served = sorted({w.model for w in workers})
-        cascade = self.cascade_config
         name = model or (cascade.name if cascade else served[0] if len(served) == 1 else "")
         if not name:
             raise RouterError(grpc.StatusCode.INVALID_ARGUMENT, f"model: name one of the served models {served}")
@@ -252,13 +282,13 @@ class Router:
         return name, pool
 
     async def ready(self) -> bool:
-        return bool(await self.live_workers())
+        return bool(await self.live_workers(fresh=True))
 
     # --- routing ----------------------------------------------------------------------------------
 
     async def route(self, request: pb.GenerateRequest) -> tuple[list[int], list[tuple[Candidate, str]]]:
         """The prompt's tokens and the workers to try, best first."""
-        workers = await self.live_workers()
+        workers = await self._workers_of(request.model)
         if not workers:
             raise RouterError(grpc.StatusCode.UNAVAILABLE, "no worker is live")
         served = sorted({w.model for w in workers})
@@ -284,7 +314,7 @@ class Router:
         return ids, self.policy.order(candidates, len(ids))
 
     async def _tokenizer_of(self, model: str):
-        pool = [w for w in await self.live_workers() if w.model == model]
+        pool = [w for w in await self._workers_of(model) if w.model == model]
         if not pool:
             raise RouterError(grpc.StatusCode.UNAVAILABLE, f"no live worker serves {model!r}")
         return await self.tokenizers.of(pool[0])
@@ -399,7 +429,7 @@ class Router:
         """Load the tokenizers of the workers registered now (a router, or one of its HTTP front
         processes, started while workers are up), so the first requests do not wait seconds for
         them; returns how many are loaded. One that fails is left to its first request to report."""
-        for worker in await self.live_workers():
+        for worker in await self.live_workers(fresh=True):
             try:
                 await self.tokenizers.of(worker)
             except Exception as exc:
@@ -407,4 +437,6 @@ class Router:
         return len(self.tokenizers)
 
     async def close(self) -> None:
+        if self._reading is not None:
+            self._reading.cancel()
         await self.clients.close()

@@ -79,7 +79,7 @@ def wait_for(predicate, timeout=15.0, interval=0.1):
 
 
 def live_ids(cluster) -> set[str]:
-    return {w.worker_id for w in cluster["loop"].run(cluster["router"].live_workers())}
+    return {w.worker_id for w in cluster["loop"].run(cluster["router"].live_workers(fresh=True))}
 
 
 def test_requests_sharing_a_prefix_land_on_the_worker_that_holds_it(cluster):
@@ -124,7 +124,7 @@ def test_a_dead_worker_is_skipped_before_the_first_token_and_returns_with_a_new_
     victim.start()
     assert wait_for(lambda: "w2" in live_ids(cluster), timeout=10)
     router = cluster["router"]
-    epochs = {w.worker_id: w.epoch for w in cluster["loop"].run(router.live_workers())}
+    epochs = {w.worker_id: w.epoch for w in cluster["loop"].run(router.live_workers(fresh=True))}
     ids = cluster["loop"].run(router.route(chat(system, "x")))[0]
     held = cluster["loop"].run(index.match(victim_model(cluster), block_hashes(ids, 16, victim_model(cluster)),
                                            epochs))

@@ -97,8 +97,8 @@ class AsyncEngine:
     ) -> AsyncIterator[RequestOutput]:
         """Stream a request's updates; leaving the iteration early aborts it and frees its blocks."""
         request_id = request_id or uuid.uuid4().hex
-        if prompt_token_ids is None:
-            prompt_token_ids = self.engine.tokenize(prompt=prompt, messages=messages)
+        if prompt_token_ids is None:  # in a thread: the tokenizer lets go of the GIL, the loop serves others
+            prompt_token_ids = await asyncio.to_thread(self.engine.tokenize, prompt=prompt, messages=messages)
         self.engine.validate(prompt_token_ids, params)
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
         with self._cv:
