@@ -325,8 +325,9 @@ def main() -> int:
           f"process(es), router args {args.router_args!r} (log: {logs / 'router.log'})")
     if args.overhead:
         o = low_load
-        print(f"router overhead at low load (TTFT p50 minus straight to the worker's, {o['grpc_worker_ttft_p50_ms']:.2f} "
-              f"ms): gRPC +{o['grpc_router_overhead_p50_ms']:.2f} ms, HTTP +{o['http_router_overhead_p50_ms']:.2f} ms")
+        print(f"router overhead at low load (TTFT p50 minus straight to the worker's, "
+              f"{o['grpc_worker_ttft_p50_ms']:.2f} ms): gRPC +{o['grpc_router_overhead_p50_ms']:.2f} ms, "
+              f"HTTP +{o['http_router_overhead_p50_ms']:.2f} ms")
     caps = [capacity(rows, protocol) for protocol in args.protocols]
     for c in caps:
         print(verdict(c, max(args.concurrency)))
