@@ -240,6 +240,8 @@ class HttpClient:
     def _extensions(chunk: dict[str, Any], rec: RequestRecord) -> None:
         if chunk.get("worker_id"):
             rec.worker_id = str(chunk["worker_id"])
+        if chunk.get("worker_ttft_s"):
+            rec.server_ttft_s = float(chunk["worker_ttft_s"])
         if chunk.get("tier"):
             rec.tier = str(chunk["tier"])
         if chunk.get("escalated") is not None:

@@ -46,7 +46,7 @@ class RequestRecord:
     output_tokens: int = 0
     finish_reason: str = ""
     worker_id: str | None = None  # set by a router
-    server_ttft_s: float | None = None  # gRPC: the worker's own TTFT, from its arrival to its first token
+    server_ttft_s: float | None = None  # the worker's own TTFT, from its arrival to its first token (via a router)
     tier: str | None = None  # set by a cascade (absent today: reported n/a)
     escalated: bool | None = None
     # A cascade's tier_usage: per tier, tokens computed by role ({"small": {"answer": 40}, "large": {"judge": 35}}).

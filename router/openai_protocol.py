@@ -394,7 +394,8 @@ class Answer:
             choice["finish_reason"] = messages[-1].finish_reason or None
             choices.append(choice)
         lasts = [m[-1] for m in samples]
-        return {**self._head(chunk=False), "choices": choices, "usage": self.usage(lasts), **_cascade(lasts[0])}
+        return {**self._head(chunk=False), "choices": choices, "usage": self.usage(lasts), **_served_by(lasts[0]),
+                **_cascade(lasts[0])}
 
     def first_chunks(self) -> list[dict[str, Any]]:
         """Chat streams open with the assistant's role, per choice, as OpenAI's do."""
@@ -409,16 +410,20 @@ class Answer:
         echo = "" if index in self._echoed else self._echo_text(index)
         self._echoed.add(index)
         logprobs = self._logprobs(index, index, [msg])
-        if not (echo or msg.text or msg.finish_reason or (logprobs and (msg.logprobs or msg.prompt_logprobs))):
+        # A message with new tokens is a chunk even when their text is held back (an incomplete
+        # character, a possible stop string): the client learns the stream advanced at once, as
+        # vLLM's streams do, and the first chunk comes with the first token.
+        if not (echo or msg.text or msg.token_ids or msg.finish_reason
+                or (logprobs and (msg.logprobs or msg.prompt_logprobs))):
             return None
         choice: dict[str, Any] = {"index": index}
         if self._chat:
-            choice["delta"] = {"content": msg.text} if msg.text else {}
+            choice["delta"] = {"content": msg.text} if msg.text or msg.token_ids else {}
         else:
             choice["text"] = echo + msg.text
         choice["logprobs"] = logprobs
         choice["finish_reason"] = msg.finish_reason or None
-        return {**self._chunk(choice), **_cascade(msg)}
+        return {**self._chunk(choice), **_served_by(msg), **_cascade(msg)}
 
     def usage(self, lasts: list[pb.GenerateResponse]) -> dict[str, Any]:
         """Usage over every sample: each prompt counted once, every sample's generated tokens."""
@@ -473,6 +478,15 @@ class Answer:
             return {"token": token, "logprob": logprob, "bytes": list(token.encode())}
 
         return {**entry(lp.token_id, lp.logprob), "top_logprobs": [entry(t.token_id, t.logprob) for t in lp.top]}
+
+
+def _served_by(msg: pb.GenerateResponse) -> dict[str, Any]:
+    """Extension fields of a sample's last message, as gRPC clients get them: the worker that
+    answered, why the router chose it, and the worker's own time to first token (its arrival to
+    its first token: the rest of the client's is the way there and back)."""
+    if not msg.finish_reason or not msg.worker_id:
+        return {}
+    return {"worker_id": msg.worker_id, "route_reason": msg.route_reason, "worker_ttft_s": msg.ttft_s or None}
 
 
 def _cascade(msg: pb.GenerateResponse) -> dict[str, Any]:

@@ -118,10 +118,9 @@ def test_repeated_prompt_hits_the_cache_after_the_first(serve: Serve, protocol: 
     assert summarize(recs, generous, result.duration_s)["goodput"]["fraction"] == 1.0
     assert summarize(recs, impossible, result.duration_s)["goodput"]["fraction"] == 0.0
     assert summary["tiers"] is None and summary["escalation_rate"] is None  # no cascade yet: n/a
-    if protocol == "grpc":  # the router names the worker on gRPC; the HTTP answer carries no worker
-        assert len(summary["workers"]) == 1 and list(summary["workers"].values()) == [1.0]
-    else:
-        assert summary["workers"] is None
+    # The router names the worker and its own TTFT on both protocols (HTTP: extension fields of the last chunk).
+    assert len(summary["workers"]) == 1 and list(summary["workers"].values()) == [1.0]
+    assert all(0 < r.server_ttft_s <= r.ttft_s for r in recs)
 
 
 def test_multi_turn_sessions_carry_the_real_answers(serve: Serve) -> None:

@@ -158,6 +158,26 @@ def test_chat_streamed_equals_non_streamed(stack: Stack) -> None:
     assert all(c.usage is None for c in chunks)  # no usage chunk unless asked for
 
 
+def test_a_chunk_comes_with_every_step_even_while_its_text_is_held_back(stack: Stack) -> None:
+    """A stop string of 40 characters holds back the last 39 characters of text until the end, so
+    the first steps' text is empty: their chunks still come (with the tokens, as vLLM's do), the
+    text joins to the whole answer's, and the last chunk names the worker and its own TTFT."""
+    client = stack.client()
+    kwargs = dict(model=stack.model, prompt=PROMPT, max_tokens=12, temperature=0, stop=["~" * 40])
+    full = client.completions.create(**kwargs)
+    assert full.worker_id == stack.info.worker_id and 0 < full.worker_ttft_s < 60
+    with httpx.stream("POST", f"{stack.base_url}/v1/completions", json={**kwargs, "stream": True},
+                      headers={"Authorization": f"Bearer {KEY}"}, timeout=60) as resp:
+        events = [json.loads(line[6:]) for line in resp.iter_lines() if line.startswith("data: {")]
+    texts = [e["choices"][0]["text"] for e in events]
+    assert "".join(texts) == full.choices[0].text and len(full.choices[0].text) < 39 * 12
+    assert texts[0] == "", "the first token's chunk, its text held back"
+    assert events[-1]["choices"][0]["finish_reason"] == "length"
+    assert events[-1]["worker_id"] == stack.info.worker_id and events[-1]["route_reason"]
+    assert 0 < events[-1]["worker_ttft_s"] < 60
+    assert all("worker_id" not in e for e in events[:-1])
+
+
 def test_chat_text_parts_and_max_completion_tokens(stack: Stack) -> None:
     parts = [{"type": "text", "text": "Name three"}, {"type": "text", "text": "colors."}]
     answer = stack.client().chat.completions.create(
