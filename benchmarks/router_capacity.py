@@ -246,12 +246,14 @@ def overhead(worker: str, router_grpc: str, router_http: str, n: int, interval_m
 
     def prompts(salt: str) -> list[tuple[str, int]]:
         rng = random.Random(0)
-        return [(f"{salt}-{i} {words(rng, OVERHEAD_WORDS)}", 8) for i in range(n)]
+        return [(f"{salt}-{i} {words(rng, OVERHEAD_WORDS)}", 8) for i in range(n + 5)]  # 5 unmeasured first
 
     out: dict[str, Any] = {"requests": n, "prompt_words": OVERHEAD_WORDS, "interval_ms": interval_ms}
-    ttfts = {label: _sequential(address, protocol, prompts(label))
-             for label, protocol, address in [("grpc_worker", "grpc", worker), ("grpc_router", "grpc", router_grpc),
-                                              ("http_router", "http", router_http)]}
+    paths = [("grpc_worker", "grpc", worker), ("grpc_router", "grpc", router_grpc),
+             ("http_router", "http", router_http)]
+    measured = _sequential([(protocol, address) for _, protocol, address in paths],
+                           [prompts(label) for label, _, _ in paths])
+    ttfts = {label: t for (label, _, _), t in zip(paths, measured)}
     for label, t in ttfts.items():
         out[f"{label}_ttft_p50_ms"], out[f"{label}_ttft_p90_ms"] = 1e3 * pct(t, 50), 1e3 * pct(t, 90)
         if label != "grpc_worker":

@@ -334,16 +334,18 @@ def stop(proc: subprocess.Popen) -> None:
 
 
 def router_overhead(worker: str, router_grpc: str, router_http: str, work, n: int, tokenizer) -> dict:
-    """TTFT of one request at a time (8 output tokens, prompts of workload (b), salted anew), straight to the
-    worker over gRPC, then through the router over gRPC and HTTP: p50/p90 of each and of the differences
-    to the straight TTFT of the same prompt position (the router adds its hop, tokenizing and routing)."""
-    res = {}
-    for i, (label, protocol, address) in enumerate([("grpc_worker", "grpc", worker), ("grpc_router", "grpc", router_grpc),
-                                                     ("http_router", "http", router_http)]):
-        items = [(text, 8) for text, _, _ in salted(work[:n], tokenizer, 40 + i)]
-        res[label] = _sequential(address, protocol, items)
+    """TTFT of one request at a time (8 output tokens, prompts of workload (b), salted anew), straight to
+    the worker over gRPC and through the router over gRPC and HTTP, the three paths taking turns request
+    by request (so a drift of the GPU's or the host's speed falls on all three alike): p50/p90 of each,
+    and of the differences to the straight TTFT of the same prompt position (the router adds its hop,
+    tokenizing and routing; the worker then need not tokenize)."""
+    paths = [("grpc_worker", "grpc", worker), ("grpc_router", "grpc", router_grpc),
+             ("http_router", "http", router_http)]
+    items = [[(text, 8) for text, _, _ in salted(work[:n + 5], tokenizer, 40 + i)] for i in range(len(paths))]
+    res = _sequential([(protocol, address) for _, protocol, address in paths], items)
+    res = dict(zip([label for label, _, _ in paths], res))
     base = res["grpc_worker"]
-    out = {}
+    out = {"requests": n}
     for label, ttfts in res.items():
         out[f"{label}_ttft_p50_ms"] = 1e3 * pct(ttfts, 50)
         out[f"{label}_ttft_p90_ms"] = 1e3 * pct(ttfts, 90)
@@ -354,27 +356,33 @@ def router_overhead(worker: str, router_grpc: str, router_http: str, work, n: in
     return out
 
 
-def _sequential(address: str, protocol: str, items: list[tuple[str, int]]) -> list[float]:
-    """Client TTFTs (s) of ``items`` sent one after another, after 5 unmeasured ones."""
+def _sequential(targets: list[tuple[str, str]], items: list[list[tuple[str, int]]]) -> list[list[float]]:
+    """Client TTFTs (s) of each target's ``items`` but the first 5 (unmeasured: connections, first
+    calls), sent one at a time, the targets taking turns (request i of every target before request
+    i + 1 of any)."""
     from loadtest.clients import GrpcClient, HttpClient
     from loadtest.metrics import RequestRecord
     from loadtest.scenario import scenario_from_dict
     from loadtest.workload import Request
 
-    scenario = scenario_from_dict({"name": "overhead", "api": "completion", "max_requests": len(items) + 5,
+    scenario = scenario_from_dict({"name": "overhead", "api": "completion", "max_requests": len(items[0]),
                                    "max_duration_s": 900, "sampling": {"temperature": 0, "ignore_eos": True}})
 
-    async def main() -> list[float]:
-        client = GrpcClient(address, scenario) if protocol == "grpc" else HttpClient(address, scenario)
-        out = []
-        for i, (text, max_tokens) in enumerate([*items[:5], *items]):
-            rec = RequestRecord(index=i, session=i, turn=0, tag="", start_s=0.0)
-            await client.send(Request(session=i, turn=0, messages=[{"role": "system", "content": text}],
-                                      max_tokens=max_tokens), rec)
-            assert rec.ok, rec.error
-            if i >= 5:
-                out.append(rec.ttft_s)
-        await client.aclose()
+    async def main() -> list[list[float]]:
+        clients = [GrpcClient(address, scenario) if protocol == "grpc" else HttpClient(address, scenario)
+                   for protocol, address in targets]
+        out: list[list[float]] = [[] for _ in targets]
+        for i in range(len(items[0])):
+            for t, client in enumerate(clients):
+                text, max_tokens = items[t][i]
+                rec = RequestRecord(index=i, session=i, turn=0, tag="", start_s=0.0)
+                await client.send(Request(session=i, turn=0, messages=[{"role": "system", "content": text}],
+                                          max_tokens=max_tokens), rec)
+                assert rec.ok, rec.error
+                if i >= 5:
+                    out[t].append(rec.ttft_s)
+        for client in clients:
+            await client.aclose()
         return out
 
     return asyncio.run(main())

@@ -39,6 +39,7 @@ from protos.block_hash import block_hashes
 from router.cascade import plan as cascade_plan
 from router.cascade import run_cascade
 from router.cascade_config import CascadeConfig, CascadeFile
+from contracts.tokenizers import tokenize_inline
 from router.errors import RouterError
 from router.metrics import RouterMetrics
 from router.policy import Candidate, RoutingPolicy, create_policy
@@ -91,6 +92,23 @@ def _load_tokenizer(source: str, tokenizer: str):
     from contracts.tokenizers import load_tokenizer
 
     return load_tokenizer(resolve_model(source), tokenizer or None)
+
+
+def _inline(request: pb.GenerateRequest) -> bool:
+    kind = request.WhichOneof("prompt")
+    if kind == "text":
+        return tokenize_inline(request.text, None)
+    if kind == "messages":
+        return tokenize_inline(None, [{"content": m.content} for m in request.messages.messages])
+    return True
+
+
+async def tokenize_async(tokenizer, request: pb.GenerateRequest) -> list[int]:
+    """``tokenize``, on the event loop for a short prompt, in a thread for a long one
+    (contracts.tokenizers.INLINE_TOKENIZE_CHARS)."""
+    if _inline(request):
+        return tokenize(tokenizer, request)
+    return await asyncio.to_thread(tokenize, tokenizer, request)
 
 
 def tokenize(tokenizer, request: pb.GenerateRequest) -> list[int]:
@@ -299,7 +317,7 @@ class Router:
         if not pool:
             raise RouterError(grpc.StatusCode.INVALID_ARGUMENT, f"model: unknown model {model!r}; served: {served}")
         tokenizer = await self.tokenizers.of(pool[0])
-        ids = await asyncio.to_thread(tokenize, tokenizer, request)
+        ids = await tokenize_async(tokenizer, request)
         block_size = pool[0].block_size
         cached: dict[str, int] = {}
         if self._state_ok or not self._last_workers:
@@ -333,7 +351,7 @@ class Router:
                 raise RouterError(grpc.StatusCode.FAILED_PRECONDITION,
                                   f"cascade judge: {model!r} and {draft_model!r} have different vocabularies; "
                                   "a tier can only judge drafts of its own model family")
-        return await asyncio.to_thread(tokenize, tokenizer, request)
+        return await tokenize_async(tokenizer, request)
 
     async def generate(self, request: pb.GenerateRequest, timeout: float | None = None
                        ) -> AsyncIterator[pb.GenerateResponse]:

@@ -32,14 +32,18 @@ class Deployment:
         client = redis_client(url)
         self.registry, self.index = CountingRegistry(client), RedisPrefixIndex(client)
         self.router = Router(self.registry, self.index, RouterConfig(**config))
+        self.registered: list[WorkerInfo] = []
 
     async def register(self, worker_id: str, model: str = "m", running: int = 0) -> WorkerInfo:
         info = WorkerInfo(worker_id=worker_id, epoch="e1", address="127.0.0.1:1", model=model, model_source=model,
                           capacity=8, load=WorkerLoad(running=running))
         await self.registry.register(info, TTL_S)
+        self.registered.append(info)
         return info
 
     async def aclose(self) -> None:
+        for info in self.registered:  # the session's Redis is shared: leave no worker for later tests
+            await self.registry.deregister(info.worker_id, info.epoch)
         await self.router.close()
         await self.registry.aclose()
 

@@ -3,8 +3,8 @@
 Same interface as AsyncEngine (the in-process driver), so the gRPC server and the registry
 publisher take either. What it does on this side of the process boundary:
 
-- tokenizes (in a thread) and validates at the door (InputProcessor), refusing overload at once
-  (QueueFullError);
+- tokenizes (a long prompt in a thread) and validates at the door (InputProcessor), refusing
+  overload at once (QueueFullError);
 - sends each request to the core once, aborts when a stream is left early;
 - one reader thread takes the core's one message per step, detokenizes each request's new tokens,
   checks stop strings (aborting a request one ends) and hands each event loop its streams' updates
@@ -33,6 +33,7 @@ from dataclasses import dataclass
 import msgspec
 import zmq
 
+from contracts.tokenizers import tokenize_inline
 from worker.core.messages import FROM_CORE, Abort, Add, Control, CoreOutput, Failed, Ready, Step
 from worker.core.process import core_params
 from worker.engine.block_manager import KVEvent
@@ -183,7 +184,9 @@ class EngineCoreClient:
                        params: SamplingParams) -> AsyncIterator[RequestOutput]:
         """Stream a request's updates; leaving the iteration early aborts it and frees its blocks."""
         request_id = request_id or uuid.uuid4().hex
-        if prompt_token_ids is None:  # in a thread: the tokenizer lets go of the GIL, the loop serves others
+        if prompt_token_ids is None and tokenize_inline(prompt, messages):
+            prompt_token_ids = self.inputs.tokenize(prompt=prompt, messages=messages)
+        elif prompt_token_ids is None:  # a long prompt, in a thread: the loop serves the other streams
             prompt_token_ids = await asyncio.to_thread(self.inputs.tokenize, prompt=prompt, messages=messages)
         self.inputs.validate(prompt_token_ids, params)
         req = _Request(asyncio.get_running_loop(), asyncio.Queue(), Sequence(request_id, prompt_token_ids, params),
