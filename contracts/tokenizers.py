@@ -17,16 +17,22 @@ from pathlib import Path
 
 from contracts.models import ModelSource, cache_dir, resolve_model
 
-# Prompts up to this many characters (about 2,000 tokens, 1-2 ms of tokenizing) are tokenized on the
-# event loop that received them; longer ones in a thread (the tokenizer lets go of the GIL), where
-# they hold up no other stream. Handing a short one to a thread and back costs more than tokenizing
-# it: two wake-ups of threads that were asleep, 0.2-1 ms on an idle host, all of it on the request's
-# time to first token. The router and a worker's front end both follow it.
+# A short prompt (up to this many characters: about 2,000 tokens, 1-2 ms of tokenizing) is tokenized
+# on the event loop that received it while its process has fewer than INLINE_TOKENIZE_BELOW other
+# requests in flight; otherwise in a thread (the tokenizer lets go of the GIL). At low load the thread's
+# round trip costs more than the tokenizing: two wake-ups of threads that were asleep, 0.2-1 ms on
+# an idle host, all of it on the request's time to first token. Under load, and for long prompts,
+# the threads tokenize side by side while the loop relays the other streams (a burst of 256
+# arrivals tokenized one after another on the loop would reach the engine later).
 INLINE_TOKENIZE_CHARS = 8192
+INLINE_TOKENIZE_BELOW = 4
 
 
-def tokenize_inline(prompt: str | None, messages: list[dict] | None) -> bool:
-    """Whether a prompt (text, or chat messages' contents) is short enough to tokenize on the loop."""
+def tokenize_inline(prompt: str | None, messages: list[dict] | None, in_flight: int) -> bool:
+    """Whether to tokenize a prompt (text, or chat messages' contents) on the loop, its process
+    having ``in_flight`` other requests under way."""
+    if in_flight >= INLINE_TOKENIZE_BELOW:
+        return False
     chars = len(prompt or "") + sum(len(str(m.get("content") or "")) for m in messages or ())
     return chars <= INLINE_TOKENIZE_CHARS
 

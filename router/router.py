@@ -94,19 +94,19 @@ def _load_tokenizer(source: str, tokenizer: str):
     return load_tokenizer(resolve_model(source), tokenizer or None)
 
 
-def _inline(request: pb.GenerateRequest) -> bool:
+def _inline(request: pb.GenerateRequest, in_flight: int) -> bool:
     kind = request.WhichOneof("prompt")
     if kind == "text":
-        return tokenize_inline(request.text, None)
+        return tokenize_inline(request.text, None, in_flight)
     if kind == "messages":
-        return tokenize_inline(None, [{"content": m.content} for m in request.messages.messages])
+        return tokenize_inline(None, [{"content": m.content} for m in request.messages.messages], in_flight)
     return True
 
 
-async def tokenize_async(tokenizer, request: pb.GenerateRequest) -> list[int]:
-    """``tokenize``, on the event loop for a short prompt, in a thread for a long one
-    (contracts.tokenizers.INLINE_TOKENIZE_CHARS)."""
-    if _inline(request):
+async def tokenize_async(tokenizer, request: pb.GenerateRequest, in_flight: int = 0) -> list[int]:
+    """``tokenize``, on the event loop for a short prompt at low load, else in a thread
+    (contracts.tokenizers.tokenize_inline)."""
+    if _inline(request, in_flight):
         return tokenize(tokenizer, request)
     return await asyncio.to_thread(tokenize, tokenizer, request)
 
@@ -147,6 +147,7 @@ class Router:
         self.tokenizers = Tokenizers(self.config.tokenizer)
         self._same_vocab: dict[tuple[int, int], bool] = {}  # prompt_ids: tokenizer pairs checked
         self._in_flight: dict[str, int] = defaultdict(int)
+        self._requests = 0  # generate() calls under way (a request tokenizing counts the others)
         self.prompt_tokens_total = 0  # over finished requests, for Stats
         self.cached_tokens_total = 0
         self._last_workers: list[WorkerInfo] = []  # the registry's last answer, less workers marked down
@@ -317,7 +318,7 @@ class Router:
         if not pool:
             raise RouterError(grpc.StatusCode.INVALID_ARGUMENT, f"model: unknown model {model!r}; served: {served}")
         tokenizer = await self.tokenizers.of(pool[0])
-        ids = await tokenize_async(tokenizer, request)
+        ids = await tokenize_async(tokenizer, request, self._requests - 1)
         block_size = pool[0].block_size
         cached: dict[str, int] = {}
         if self._state_ok or not self._last_workers:
@@ -351,7 +352,7 @@ class Router:
                 raise RouterError(grpc.StatusCode.FAILED_PRECONDITION,
                                   f"cascade judge: {model!r} and {draft_model!r} have different vocabularies; "
                                   "a tier can only judge drafts of its own model family")
-        return await tokenize_async(tokenizer, request)
+        return await tokenize_async(tokenizer, request, self._requests - 1)
 
     async def generate(self, request: pb.GenerateRequest, timeout: float | None = None
                        ) -> AsyncIterator[pb.GenerateResponse]:
@@ -359,6 +360,7 @@ class Router:
         its configuration, so a reload never changes a request under way), else from the best worker."""
         status = "ok"
         finished = False
+        self._requests += 1
         try:
             timeout = timeout if timeout is not None else self.config.default_timeout_s
             plan = cascade_plan(self.cascade_config, request)
@@ -378,6 +380,7 @@ class Router:
             status = "ok" if finished else "cancelled"
             raise
         finally:
+            self._requests -= 1
             self.metrics.requests.labels(status).inc()
 
     async def _answer(self, request: pb.GenerateRequest, timeout: float | None) -> AsyncIterator[pb.GenerateResponse]:

@@ -76,3 +76,15 @@ def test_the_router_process_tokenizes_without_torch(redis_server, tmp_path) -> N
         proc.terminate()
         proc.wait(30)
         worker.close()
+
+
+def test_short_prompts_at_low_load_are_tokenized_on_the_loop_others_in_a_thread():
+    from contracts.tokenizers import INLINE_TOKENIZE_BELOW, INLINE_TOKENIZE_CHARS, tokenize_inline
+
+    short, long = "word " * 100, "x" * (INLINE_TOKENIZE_CHARS + 1)
+    assert tokenize_inline(short, None, 0)
+    assert tokenize_inline(None, [{"role": "user", "content": short}], INLINE_TOKENIZE_BELOW - 1)
+    assert not tokenize_inline(short, None, INLINE_TOKENIZE_BELOW), "under load: in a thread"
+    assert not tokenize_inline(long, None, 0)
+    halves = [{"role": "user", "content": long[:5000]}, {"role": "user", "content": long[5000:]}]
+    assert not tokenize_inline(None, halves, 0), "the messages' contents count together"

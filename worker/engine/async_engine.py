@@ -98,9 +98,9 @@ class AsyncEngine:
     ) -> AsyncIterator[RequestOutput]:
         """Stream a request's updates; leaving the iteration early aborts it and frees its blocks."""
         request_id = request_id or uuid.uuid4().hex
-        if prompt_token_ids is None and tokenize_inline(prompt, messages):
+        if prompt_token_ids is None and tokenize_inline(prompt, messages, len(self._streams)):
             prompt_token_ids = self.engine.tokenize(prompt=prompt, messages=messages)
-        elif prompt_token_ids is None:  # a long prompt, in a thread: the loop serves the other streams
+        elif prompt_token_ids is None:  # long, or under load: in a thread, the loop serves the other streams
             prompt_token_ids = await asyncio.to_thread(self.engine.tokenize, prompt=prompt, messages=messages)
         self.engine.validate(prompt_token_ids, params)
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
