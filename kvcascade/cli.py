@@ -141,6 +141,9 @@ def _add_router_flags(parser: argparse.ArgumentParser) -> None:
                             "redis-server. /metrics answers for the one process a scrape reaches (default: %(default)s)")
     group.add_argument("--policy", default="prefix_aware", choices=sorted(POLICIES),
                        help="how to pick a worker (default: %(default)s)")
+    group.add_argument("--max-body-mb", type=float, default=16.0, metavar="MB",
+                       help="largest HTTP request body taken, in MiB; a larger one is answered 413 before it is read "
+                            "whole (default: %(default)s)")
     group.add_argument("--api-key", action="append", default=[], dest="api_keys",
                        help="require this API key (repeatable; also KVCASCADE_API_KEYS, comma-separated)")
     group.add_argument("--cascade", metavar="FILE",
@@ -232,6 +235,7 @@ async def _run(args: argparse.Namespace) -> None:
                                   redis_url=args.redis_url, policy=args.policy,
                                   api_keys=[*args.api_keys, *api_keys_from_env()], key_prefix=args.key_prefix,
                                   cascade=args.cascade, http_workers=args.http_workers,
+                                  max_body_bytes=int(args.max_body_mb * 2**20),
                                   tokenizer=args.tokenizer if args.command == "router" else None)
             if _needs_local_redis(args):
                 from deploy.local import LocalRedis

@@ -53,6 +53,7 @@ class RouterOptions:
     redis_url: str | None = None
     policy: str = "prefix_aware"
     api_keys: Collection[str] = ()
+    max_body_bytes: int = 16 * 2**20  # the HTTP API's largest request body (--max-body-mb)
     key_prefix: str = "kvc:"
     cascade: str | None = None  # a cascade file (router/cascade_config.py), re-read when it changes
     tokenizer: str | None = None  # one tokenizer for every model, instead of each worker's (--tokenizer)
@@ -211,7 +212,8 @@ async def start_router(opts: RouterOptions, running: Running, *, registry=None, 
     if opts.http_port is not None:
         from router.http_api import create_app, http_port, serve_http, stop_http
 
-        http_server, task = await serve_http(create_app(router, api_keys=opts.api_keys), opts.host, opts.http_port,
+        app = create_app(router, api_keys=opts.api_keys, max_body_bytes=opts.max_body_bytes)
+        http_server, task = await serve_http(app, opts.host, opts.http_port,
                                              reuse_port=opts.http_workers > 1)
         running.on_stop(lambda: stop_http(http_server, task))
         port = http_port(http_server)  # with --http-port 0, the children join the port bound here
@@ -232,6 +234,7 @@ async def _start_http_workers(opts: RouterOptions, port: int, running: Running) 
     workers = HttpWorkers(HttpFrontOptions(
         host=opts.host, port=port, redis_url=opts.redis_url, key_prefix=opts.key_prefix, policy=opts.policy,
         api_keys=tuple(opts.api_keys), cascade=opts.cascade, tokenizer=opts.tokenizer,
+        max_body_bytes=opts.max_body_bytes,
         log_level=root.getEffectiveLevel(), log_formatter=formatter), opts.http_workers - 1)
     try:
         await workers.start()

@@ -59,7 +59,8 @@ _STATUS = {
     grpc.StatusCode.DEADLINE_EXCEEDED: 504,
 }
 _TYPE = {400: "invalid_request_error", 401: "invalid_request_error", 404: "invalid_request_error",
-         405: "invalid_request_error", 429: "rate_limit_error", 499: "cancelled", 503: "service_unavailable",
+         405: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error", 499: "cancelled",
+         503: "service_unavailable",
          504: "timeout"}
 _TOOL_CALL = Call("completion", [pb.GenerateRequest()], stream=False, include_usage=False)  # names fields as sent
 _FIELD = re.compile(r"[A-Za-z_][\w.\[\]]*")  # what a RouterError's "field: message" names
@@ -111,6 +112,26 @@ def _from_validation(errors: list[dict[str, Any]], skip: int = 0) -> ApiError:
         return ApiError(400, f"the body must be a JSON object: {msg}", code="invalid_value")
     code = "missing_required_parameter" if e["type"] == "missing" else "invalid_value"
     return ApiError(400, f"{param}: {msg}", param=param, code=code)
+
+
+DEFAULT_MAX_BODY_BYTES = 16 * 2**20  # 16 MiB: a 128k-token prompt as text or ids is well under 2
+
+
+async def _body(request: Request, limit: int) -> bytes:
+    """The request's body, refused (413) past ``limit`` bytes: by its Content-Length before any of it
+    is read, else (a chunked body) as soon as what arrived passes the limit."""
+    too_large = ApiError(413, f"the request body is over {limit:,} bytes, the most this server takes "
+                              "(the router's --max-body-mb)", code="request_too_large")
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise too_large
+    parts, size = [], 0
+    async for part in request.stream():
+        size += len(part)
+        if size > limit:
+            raise too_large
+        parts.append(part)
+    return b"".join(parts)
 
 
 def _parse(model: type[T], body: bytes) -> T:
@@ -309,8 +330,10 @@ async def _collect(messages: AsyncIterator[tuple[int, pb.GenerateResponse]],
 # --- the app ------------------------------------------------------------------------------------
 
 
-def create_app(router: Router, *, api_keys: Collection[str] = ()) -> FastAPI:
-    """An OpenAI-compatible app over ``router``; with ``api_keys``, /v1/* needs one as a bearer token."""
+def create_app(router: Router, *, api_keys: Collection[str] = (), max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+               ) -> FastAPI:
+    """An OpenAI-compatible app over ``router``; with ``api_keys``, /v1/* needs one as a bearer token;
+    request bodies over ``max_body_bytes`` are answered 413."""
     keys = [k.encode() for k in api_keys if k]
     app = FastAPI(title="kvcascade router", docs_url=None, redoc_url=None, openapi_url=None,
                   default_response_class=_JSONResponse)
@@ -328,12 +351,12 @@ def create_app(router: Router, *, api_keys: Collection[str] = ()) -> FastAPI:
 
     @v1.post("/completions")
     async def completions(request: Request) -> Response:
-        call = completion_call(_parse(CompletionRequest, await request.body()))
+        call = completion_call(_parse(CompletionRequest, await _body(request, max_body_bytes)))
         return await _answer(router, request, call)
 
     @v1.post("/chat/completions")
     async def chat_completions(request: Request) -> Response:
-        call = chat_call(_parse(ChatRequest, await request.body()))
+        call = chat_call(_parse(ChatRequest, await _body(request, max_body_bytes)))
         return await _answer(router, request, call)
 
     @v1.get("/models")
@@ -348,7 +371,7 @@ def create_app(router: Router, *, api_keys: Collection[str] = ()) -> FastAPI:
 
     @tools.post("/tokenize")
     async def tokenize_(request: Request) -> dict[str, Any]:
-        body = _parse(TokenizeRequest, await request.body())
+        body = _parse(TokenizeRequest, await _body(request, max_body_bytes))
         try:
             model, tokenizer = await router.tokenizer_for(body.model)
             ids = await asyncio.to_thread(tokenize, tokenizer, body.generate_request())
@@ -358,7 +381,7 @@ def create_app(router: Router, *, api_keys: Collection[str] = ()) -> FastAPI:
 
     @tools.post("/detokenize")
     async def detokenize(request: Request) -> dict[str, Any]:
-        body = _parse(DetokenizeRequest, await request.body())
+        body = _parse(DetokenizeRequest, await _body(request, max_body_bytes))
         try:
             _, tokenizer = await router.tokenizer_for(body.model)
         except RouterError as err:

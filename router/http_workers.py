@@ -43,6 +43,7 @@ class HttpFrontOptions:
     api_keys: tuple[str, ...]
     cascade: str | None
     tokenizer: str | None
+    max_body_bytes: int = 16 * 2**20
     log_level: int = logging.INFO
     log_formatter: logging.Formatter | None = None  # the parent's, so children log like it
 
@@ -213,7 +214,8 @@ async def _serve(opts: HttpFrontOptions, slot: int, ready: Connection) -> None:
         router = Router(registry, index, RouterConfig(policy=opts.policy, tokenizer=opts.tokenizer), cascade=cascade)
         # Before it binds: the kernel sends no connection here while the tokenizers load.
         await router.load_tokenizers()
-        server, task = await serve_http(create_app(router, api_keys=opts.api_keys), opts.host, opts.port,
+        app = create_app(router, api_keys=opts.api_keys, max_body_bytes=opts.max_body_bytes)
+        server, task = await serve_http(app, opts.host, opts.port,
                                         reuse_port=True)
     except Exception as err:
         ready.send(f"{type(err).__name__}: {err}")

@@ -382,7 +382,39 @@ BAD_BODIES = {
     "a list with a number": ("/v1/completions", {"prompt": ["a", 3]}, "prompt"),
     "top_logprobs 99": ("/v1/chat/completions", {**MESSAGES, "logprobs": True, "top_logprobs": 99}, "top_logprobs"),
     "stop not strings": ("/v1/completions", {"prompt": PROMPT, "stop": [1]}, "stop[0]"),
+    "65 stop strings": ("/v1/completions", {"prompt": PROMPT, "stop": [f"s{i}" for i in range(65)]}, "stop"),
+    "a stop string of 513 characters": ("/v1/chat/completions", {**MESSAGES, "stop": ["x" * 513]}, "stop"),
+    "1025 stop token ids": ("/v1/completions", {"prompt": PROMPT, "stop_token_ids": list(range(1025))},
+                            "stop_token_ids"),
 }
+
+
+def test_a_body_over_the_limit_is_413_and_the_server_goes_on(stack: Stack) -> None:
+    """Declared too large (Content-Length), or found too large while arriving (chunked, no length):
+    413 naming the limit, nothing parsed; then the next request is answered as ever."""
+    router = Router(stack.registry, MemoryPrefixIndex())
+    server, task = stack.loop.run(serve_http(create_app(router, max_body_bytes=4096), "127.0.0.1", 0))
+    url = f"http://127.0.0.1:{http_port(server)}/v1/completions"
+    try:
+        big = {"model": stack.model, "prompt": "word " * 2000, "max_tokens": 2}
+        declared = httpx.post(url, json=big, timeout=30)
+
+        def chunks():
+            yield b'{"model": "' + stack.model.encode() + b'", "prompt": "'
+            for _ in range(100):
+                yield b"word " * 20
+            yield b'", "max_tokens": 2}'
+
+        chunked = httpx.post(url, content=chunks(), headers={"Content-Type": "application/json"}, timeout=30)
+        for response in (declared, chunked):
+            assert response.status_code == 413, response.text
+            error = response.json()["error"]
+            assert error["code"] == "request_too_large" and "4,096 bytes" in error["message"]
+        ok = httpx.post(url, json={"model": stack.model, "prompt": PROMPT, "max_tokens": 2}, timeout=60)
+        assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 2
+    finally:
+        stack.loop.run(stop_http(server, task))
+        stack.loop.run(router.close())
 
 
 @pytest.mark.parametrize("case", list(BAD_BODIES.values()), ids=list(BAD_BODIES))

@@ -8,6 +8,11 @@ from dataclasses import dataclass, field
 from worker.engine.errors import InvalidRequestError
 
 MAX_TOP_LOGPROBS = 20
+# Every stop string is searched for after every token of its request, on the thread that detokenizes
+# every request's output: thousands of them, or long ones, would slow every stream. OpenAI takes 4.
+MAX_STOP_STRINGS = 64
+MAX_STOP_CHARS = 512
+MAX_STOP_TOKEN_IDS = 1024
 
 
 @dataclass
@@ -61,6 +66,13 @@ class SamplingParams:
             raise InvalidRequestError("stop", "stop strings need detokenize=True")
         if any(not s for s in self.stop):
             raise InvalidRequestError("stop", "stop strings must be non-empty")
+        if len(self.stop) > MAX_STOP_STRINGS:
+            raise InvalidRequestError("stop", f"at most {MAX_STOP_STRINGS} stop strings, got {len(self.stop)}")
+        if (longest := max(map(len, self.stop), default=0)) > MAX_STOP_CHARS:
+            raise InvalidRequestError("stop", f"a stop string has at most {MAX_STOP_CHARS} characters, got {longest}")
+        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            raise InvalidRequestError("stop_token_ids",
+                                      f"at most {MAX_STOP_TOKEN_IDS} token ids, got {len(self.stop_token_ids)}")
         if any(t < 0 for t in self.stop_token_ids):
             raise InvalidRequestError("stop_token_ids", "token ids must be >= 0")
 
