@@ -23,6 +23,8 @@ class RouterMetrics:
         self.completion_tokens = Counter("kvcascade_completion_tokens", "Tokens generated", registry=r)
         self.retries = Counter("kvcascade_worker_retries", "Requests moved to another worker before the "
                                "first token", registry=r)
+        self.migrations = Counter("kvcascade_stream_migrations", "Streams moved to another worker after their "
+                                  "worker failed mid-stream, by result", ["result"], registry=r)
         self.state_up = Gauge("kvcascade_state_backend_up", "1 while the registry and prefix index answer; "
                               "0 means load-only routing on the last known workers", registry=r)
         self.worker_running = Gauge("kvcascade_worker_running", "Running requests per worker", ["worker"], registry=r)

@@ -56,6 +56,9 @@ _RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED}
 class RouterConfig:
     policy: str = "prefix_aware"
     max_attempts: int = 3  # workers tried before the first token
+    # A stream whose worker fails after its first token goes on on another worker of the model, from
+    # the prompt and the tokens already sent, at most this many times (0: it ends with UNAVAILABLE).
+    max_migrations: int = 1
     default_timeout_s: float | None = None  # per request, when the client sets no deadline
     tokenizer: str | None = None  # --tokenizer: one tokenizer for every model instead of each worker's
     registry_max_age_s: float = 0.1  # a registry read this recent serves requests as it is
@@ -395,11 +398,23 @@ class Router:
                 yield msg
 
     async def _stream(self, request, order, timeout, start, prompt_len) -> AsyncIterator[pb.GenerateResponse]:
+        """The answer from the first worker in ``order`` that takes it. One that fails before its first
+        token is skipped; one that fails (UNAVAILABLE) after it hands the stream to the next, which goes
+        on from the prompt plus the tokens already sent (``_resumed``), up to ``max_migrations`` times,
+        so the client sees one stream (greedy answers are the same tokens as without the failure)."""
         last_error: RouterError | None = None
-        for attempt, (cand, reason) in enumerate(order[: self.config.max_attempts]):
+        sent: list[int] = []  # tokens of this answer streamed so far, over every worker
+        text_sent: list[str] = []
+        migrations = 0
+        candidates = order[: max(self.config.max_attempts, 1 + self.config.max_migrations)]
+        for attempt, (cand, reason) in enumerate(candidates):
+            if attempt >= self.config.max_attempts and not sent:
+                break
             worker = cand.worker
             remaining = None if timeout is None else max(0.0, timeout - (time.monotonic() - start))
-            call = self.clients.stub(worker.address).Generate(request, timeout=remaining)
+            resumed = bool(sent)
+            call = self.clients.stub(worker.address).Generate(
+                self._resumed(request, sent) if resumed else request, timeout=remaining)
             self._in_flight[worker.worker_id] += 1
             first_at = last_at = None
             tokens = 0
@@ -408,15 +423,24 @@ class Router:
                     now = time.monotonic()
                     if first_at is None:
                         first_at = now
-                        self.metrics.routing.labels(reason).inc()
-                        self.metrics.ttft.observe(now - start)
-                        if attempt:
-                            self.metrics.retries.inc()
+                        if resumed:
+                            self.metrics.migrations.labels("resumed").inc()
+                        else:
+                            self.metrics.routing.labels(reason).inc()
+                            self.metrics.ttft.observe(now - start)
+                            if attempt:
+                                self.metrics.retries.inc()
                     tokens += len(msg.token_ids)
                     last_at = now
+                    sent.extend(msg.token_ids)
+                    text_sent.append(msg.text)
                     if msg.finish_reason:
-                        msg.worker_id, msg.route_reason = worker.worker_id, reason
+                        msg.worker_id, msg.route_reason = worker.worker_id, "migrated" if resumed else reason
                     if msg.HasField("usage"):
+                        if resumed:  # the answer's usage, not the continuation's
+                            msg.usage.prompt_tokens = prompt_len
+                            msg.usage.cached_tokens = min(msg.usage.cached_tokens, prompt_len)
+                            msg.usage.completion_tokens = len(sent)
                         self.metrics.prompt_tokens.inc(msg.usage.prompt_tokens)
                         self.metrics.cached_tokens.inc(msg.usage.cached_tokens)
                         self.metrics.completion_tokens.inc(msg.usage.completion_tokens)
@@ -430,9 +454,22 @@ class Router:
                 code = err.code()
                 if code == grpc.StatusCode.UNAVAILABLE:  # unreachable, or its engine stopped
                     self.mark_down(worker, err.details() or code.name)
-                if first_at is not None:  # tokens went out: cannot move the request now
+                if sent:  # tokens went out: go on elsewhere from them, or end the stream
+                    why = self._unmovable(request, code, migrations if first_at is None else migrations + 1)
+                    if why is None and attempt + 1 < len(candidates):
+                        migrations += first_at is not None  # a continuation that never started is retried
+                        log.warning("worker %s failed mid-stream (%s) after %d tokens; the stream goes on on "
+                                    "the next worker", worker.worker_id, code.name, len(sent))
+                        if (gap := await self._held_back_text(worker, sent, "".join(text_sent))) is not None:
+                            text_sent.append(gap.text)
+                            yield gap
+                        last_error = RouterError(grpc.StatusCode.UNAVAILABLE,
+                                                 f"worker {worker.worker_id} failed mid-stream: {err.details()}")
+                        continue
+                    self.metrics.migrations.labels("not_moved").inc()
                     raise RouterError(grpc.StatusCode.UNAVAILABLE,
-                                      f"worker {worker.worker_id} failed mid-stream: {err.details()}") from None
+                                      f"worker {worker.worker_id} failed mid-stream: {err.details()}"
+                                      + (f" ({why})" if why else " (no other worker to go on)")) from None
                 if code in _RETRYABLE:
                     log.warning("worker %s at %s: %s before the first token; trying the next",
                                 worker.worker_id, worker.address, code.name)
@@ -443,8 +480,49 @@ class Router:
                 self._in_flight[worker.worker_id] -= 1
                 call.cancel()  # no-op when done; frees the worker's blocks when the client left
         if last_error is not None:
+            if sent:
+                self.metrics.migrations.labels("not_moved").inc()
             raise last_error
         raise RouterError(grpc.StatusCode.UNAVAILABLE, "no worker is live")
+
+    def _unmovable(self, request: pb.GenerateRequest, code: grpc.StatusCode, move: int) -> str | None:
+        """Why a stream that failed mid-way cannot go on on another worker (as its ``move``-th
+        move); None when it can."""
+        if code not in _RETRYABLE:
+            return f"{code.name} is not a worker failure"
+        if move > self.config.max_migrations:
+            return f"it was moved {move - 1} time(s), max_migrations {self.config.max_migrations}"
+        if request.sampling.stop:
+            # The failed worker held back text that might start a stop string; a continuation cannot
+            # see a stop string across the break, so it could return one.
+            return "stop strings: a continuation could not see one across the break"
+        return None
+
+    @staticmethod
+    def _resumed(request: pb.GenerateRequest, sent: list[int]) -> pb.GenerateRequest:
+        """``request`` going on after ``sent``: the prompt plus them as the new prompt, the token
+        budgets less what is spent, no prompt logprobs again."""
+        out = pb.GenerateRequest()
+        out.CopyFrom(request)
+        out.token_ids.ids.extend(sent)  # request.token_ids already holds the prompt's ids
+        s = out.sampling
+        if s.max_tokens:
+            s.max_tokens = max(1, s.max_tokens - len(sent))
+        s.min_tokens = max(0, s.min_tokens - len(sent))
+        s.ClearField("prompt_logprobs")
+        s.ClearField("prompt_logprobs_start")
+        return out
+
+    async def _held_back_text(self, worker: WorkerInfo, sent: list[int], text: str) -> pb.GenerateResponse | None:
+        """Text of ``sent`` the failed worker had not sent yet (held back as half a character), as a
+        message of its own; the next worker reads only its own tokens' text."""
+        try:
+            full = (await self.tokenizers.of(worker)).decode(sent, skip_special_tokens=True)
+        except Exception:  # no tokenizer for it (a dummy model): nothing to add
+            return None
+        if not full.startswith(text) or full == text or full.endswith("\ufffd"):
+            return None
+        return pb.GenerateResponse(text=full[len(text):])
 
     async def load_tokenizers(self) -> int:
         """Load the tokenizers of the workers registered now (a router, or one of its HTTP front

@@ -131,23 +131,51 @@ def test_a_dead_worker_is_skipped_before_the_first_token_and_returns_with_a_new_
     assert held["w2"] == 0
 
 
-def test_a_worker_dying_mid_stream_ends_the_stream_with_unavailable(cluster):
+def _kill_mid_stream(cluster, req, after_tokens: int = 16):
+    """Stream ``req`` through the router, kill the worker serving it after ``after_tokens`` tokens, read
+    on; returns (messages, error or None, the killed worker), the worker restarted and live again."""
     workers = cluster["workers"]
-    req = chat(SYSTEM, "Write a very long story about a tent.", max_tokens=2000)
     stream = cluster["stub"].Generate(req, timeout=120)
-    first = next(stream)
-    assert first.token_ids
-    # Which worker is it? The one with a running request.
-    serving = next(w for w in workers.values() if w.stats().running == 1)
-    started = time.monotonic()
-    serving.kill()
-    with pytest.raises(grpc.RpcError) as err:
-        for _ in stream:
-            pass
-    assert err.value.code() == grpc.StatusCode.UNAVAILABLE
-    assert time.monotonic() - started < 10, "the stream must end, not hang"
+    msgs, error, serving = [], None, None
+    try:
+        for msg in stream:
+            msgs.append(msg)
+            if serving is None and sum(len(m.token_ids) for m in msgs) >= after_tokens:
+                serving = next(w for w in workers.values() if w.stats().running == 1)
+                serving.kill()
+    except grpc.RpcError as err:
+        error = err
     serving.start()
     assert wait_for(lambda: serving.worker_id in live_ids(cluster), timeout=10)
+    return msgs, error, serving
+
+
+def test_a_worker_dying_mid_stream_hands_the_stream_to_another_that_goes_on(cluster):
+    """Greedy: the client's one stream carries exactly the tokens and text of an uninterrupted answer."""
+    req = chat(SYSTEM, "Write a very long story about a tent.", max_tokens=120)
+    whole = list(cluster["stub"].Generate(req, timeout=120))
+    started = time.monotonic()
+    msgs, error, killed = _kill_mid_stream(cluster, req)
+    assert error is None, error
+    assert [t for m in msgs for t in m.token_ids] == [t for m in whole for t in m.token_ids]
+    assert "".join(m.text for m in msgs) == "".join(m.text for m in whole)
+    last = msgs[-1]
+    assert last.finish_reason == "length" and last.route_reason == "migrated" and last.worker_id != killed.worker_id
+    assert last.usage.completion_tokens == 120 and last.usage.prompt_tokens == whole[-1].usage.prompt_tokens
+    assert time.monotonic() - started < 60
+    metrics = cluster["router"].metrics.registry
+    assert metrics.get_sample_value("kvcascade_stream_migrations_total", {"result": "resumed"}) >= 1
+
+
+def test_a_stream_with_stop_strings_ends_with_unavailable_when_its_worker_dies(cluster):
+    """A continuation cannot see a stop string across the break: such a stream is not moved."""
+    req = chat(SYSTEM, "Write a very long story about a tent.", max_tokens=2000)
+    req.sampling.stop.append("#### never in a story ####")
+    started = time.monotonic()
+    msgs, error, _ = _kill_mid_stream(cluster, req)
+    assert msgs and error is not None and error.code() == grpc.StatusCode.UNAVAILABLE
+    assert "stop strings" in error.details()
+    assert time.monotonic() - started < 30, "the stream must end, not hang"
 
 
 def test_redis_down_keeps_serving_on_load_then_recovers(cluster):
