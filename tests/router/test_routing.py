@@ -4,6 +4,7 @@ load, worker death before and during a stream, restarts with a new epoch, and Re
 from __future__ import annotations
 
 import concurrent.futures
+import threading
 import time
 
 import grpc
@@ -165,6 +166,39 @@ def test_a_worker_dying_mid_stream_hands_the_stream_to_another_that_goes_on(clus
     assert time.monotonic() - started < 60
     metrics = cluster["router"].metrics.registry
     assert metrics.get_sample_value("kvcascade_stream_migrations_total", {"result": "resumed"}) >= 1
+
+
+def test_a_worker_killed_under_16_concurrent_streams_none_hangs_or_fails(cluster):
+    """16 streams at once over both workers; one worker is killed once every stream has its first
+    tokens: every stream finishes whole, those of the killed worker on the other one."""
+    workers = cluster["workers"]
+    reqs = [chat(f"Story desk {i}. " + SYSTEM, f"Tell a long story number {i}.", max_tokens=60)
+            for i in range(16)]
+    firsts = [threading.Event() for _ in reqs]
+
+    def run(i):
+        msgs = []
+        for msg in cluster["stub"].Generate(reqs[i], timeout=120):
+            msgs.append(msg)
+            firsts[i].set()
+        return msgs
+
+    started = time.monotonic()
+    with concurrent.futures.ThreadPoolExecutor(len(reqs)) as pool:
+        futures = [pool.submit(run, i) for i in range(len(reqs))]
+        assert all(f.wait(60) for f in firsts)
+        victim = max(workers.values(), key=lambda w: w.stats().running)
+        assert 0 < victim.stats().running < len(reqs), "both workers serve some of the streams"
+        victim.kill()
+        results = [f.result(timeout=120) for f in futures]
+    lasts = [msgs[-1] for msgs in results]
+    assert all(m.finish_reason == "length" and m.usage.completion_tokens == 60 for m in lasts)
+    assert all(sum(len(m.token_ids) for m in msgs) == 60 for msgs in results)
+    moved = [m for m in lasts if m.route_reason == "migrated"]
+    assert moved and all(m.worker_id != victim.worker_id for m in moved)
+    assert time.monotonic() - started < 90
+    victim.start()
+    assert wait_for(lambda: victim.worker_id in live_ids(cluster), timeout=10)
 
 
 def test_a_stream_with_stop_strings_ends_with_unavailable_when_its_worker_dies(cluster):
