@@ -9,10 +9,12 @@ metadata, then runs in a child process that leaves the result in the on-disk cac
 
 from __future__ import annotations
 
+import asyncio
 import os
 import subprocess
 import sys
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 from contracts.models import ModelSource, cache_dir, resolve_model
@@ -35,6 +37,15 @@ def tokenize_inline(prompt: str | None, messages: list[dict] | None, in_flight: 
         return False
     chars = len(prompt or "") + sum(len(str(m.get("content") or "")) for m in messages or ())
     return chars <= INLINE_TOKENIZE_CHARS
+
+
+async def tokenize_prompt(tokenize: Callable[..., list[int]], prompt: str | None, messages: list[dict] | None,
+                          in_flight: int) -> list[int]:
+    """``tokenize(prompt=..., messages=...)`` on this event loop, or in a thread when the prompt is
+    long or the process busy (``tokenize_inline``)."""
+    if tokenize_inline(prompt, messages, in_flight):
+        return tokenize(prompt=prompt, messages=messages)
+    return await asyncio.to_thread(tokenize, prompt=prompt, messages=messages)
 
 
 def load_tokenizer(src: ModelSource, tokenizer: str | None = None):

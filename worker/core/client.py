@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import msgspec
 import zmq
 
-from contracts.tokenizers import tokenize_inline
+from contracts.tokenizers import tokenize_prompt
 from worker.core.messages import FROM_CORE, Abort, Add, Control, CoreOutput, Failed, Ready, Step
 from worker.core.process import core_params
 from worker.engine.block_manager import KVEvent
@@ -184,10 +184,8 @@ class EngineCoreClient:
                        params: SamplingParams) -> AsyncIterator[RequestOutput]:
         """Stream a request's updates; leaving the iteration early aborts it and frees its blocks."""
         request_id = request_id or uuid.uuid4().hex
-        if prompt_token_ids is None and tokenize_inline(prompt, messages, len(self._requests)):
-            prompt_token_ids = self.inputs.tokenize(prompt=prompt, messages=messages)
-        elif prompt_token_ids is None:  # long, or under load: in a thread, the loop serves the other streams
-            prompt_token_ids = await asyncio.to_thread(self.inputs.tokenize, prompt=prompt, messages=messages)
+        if prompt_token_ids is None:
+            prompt_token_ids = await tokenize_prompt(self.inputs.tokenize, prompt, messages, len(self._requests))
         self.inputs.validate(prompt_token_ids, params)
         req = _Request(asyncio.get_running_loop(), asyncio.Queue(), Sequence(request_id, prompt_token_ids, params),
                        time.monotonic())

@@ -16,7 +16,7 @@ import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
-from contracts.tokenizers import tokenize_inline
+from contracts.tokenizers import tokenize_prompt
 from worker.engine.errors import EngineDeadError, InvalidRequestError, QueueFullError
 from worker.engine.llm_engine import LLMEngine
 from worker.engine.outputs import EngineStats, RequestOutput
@@ -98,10 +98,8 @@ class AsyncEngine:
     ) -> AsyncIterator[RequestOutput]:
         """Stream a request's updates; leaving the iteration early aborts it and frees its blocks."""
         request_id = request_id or uuid.uuid4().hex
-        if prompt_token_ids is None and tokenize_inline(prompt, messages, len(self._streams)):
-            prompt_token_ids = self.engine.tokenize(prompt=prompt, messages=messages)
-        elif prompt_token_ids is None:  # long, or under load: in a thread, the loop serves the other streams
-            prompt_token_ids = await asyncio.to_thread(self.engine.tokenize, prompt=prompt, messages=messages)
+        if prompt_token_ids is None:
+            prompt_token_ids = await tokenize_prompt(self.engine.tokenize, prompt, messages, len(self._streams))
         self.engine.validate(prompt_token_ids, params)
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
         with self._cv:
