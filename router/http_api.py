@@ -60,8 +60,7 @@ _STATUS = {
 }
 _TYPE = {400: "invalid_request_error", 401: "invalid_request_error", 404: "invalid_request_error",
          405: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error", 499: "cancelled",
-         503: "service_unavailable",
-         504: "timeout"}
+         503: "service_unavailable", 504: "timeout"}
 _TOOL_CALL = Call("completion", [pb.GenerateRequest()], stream=False, include_usage=False)  # names fields as sent
 _FIELD = re.compile(r"[A-Za-z_][\w.\[\]]*")  # what a RouterError's "field: message" names
 

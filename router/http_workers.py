@@ -43,7 +43,7 @@ class HttpFrontOptions:
     api_keys: tuple[str, ...]
     cascade: str | None
     tokenizer: str | None
-    max_body_bytes: int = 16 * 2**20
+    max_body_bytes: int
     log_level: int = logging.INFO
     log_formatter: logging.Formatter | None = None  # the parent's, so children log like it
 

@@ -463,8 +463,6 @@ class Router:
                         if (gap := await self._held_back_text(worker, sent, "".join(text_sent))) is not None:
                             text_sent.append(gap.text)
                             yield gap
-                        last_error = RouterError(grpc.StatusCode.UNAVAILABLE,
-                                                 f"worker {worker.worker_id} failed mid-stream: {err.details()}")
                         continue
                     self.metrics.migrations.labels("not_moved").inc()
                     raise RouterError(grpc.StatusCode.UNAVAILABLE,
@@ -479,9 +477,7 @@ class Router:
             finally:
                 self._in_flight[worker.worker_id] -= 1
                 call.cancel()  # no-op when done; frees the worker's blocks when the client left
-        if last_error is not None:
-            if sent:
-                self.metrics.migrations.labels("not_moved").inc()
+        if last_error is not None:  # (once tokens went out, the loop ends by returning or raising)
             raise last_error
         raise RouterError(grpc.StatusCode.UNAVAILABLE, "no worker is live")
 
