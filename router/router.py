@@ -454,8 +454,10 @@ class Router:
                 code = err.code()
                 if code == grpc.StatusCode.UNAVAILABLE:  # unreachable, or its engine stopped
                     self.mark_down(worker, err.details() or code.name)
+                if sent and code not in _RETRYABLE:  # not the worker's failure (a deadline, a bad request)
+                    raise RouterError(code, err.details() or code.name) from None
                 if sent:  # tokens went out: go on elsewhere from them, or end the stream
-                    why = self._unmovable(request, code, migrations if first_at is None else migrations + 1)
+                    why = self._unmovable(request, migrations if first_at is None else migrations + 1)
                     if why is None and attempt + 1 < len(candidates):
                         migrations += first_at is not None  # a continuation that never started is retried
                         log.warning("worker %s failed mid-stream (%s) after %d tokens; the stream goes on on "
@@ -481,11 +483,9 @@ class Router:
             raise last_error
         raise RouterError(grpc.StatusCode.UNAVAILABLE, "no worker is live")
 
-    def _unmovable(self, request: pb.GenerateRequest, code: grpc.StatusCode, move: int) -> str | None:
-        """Why a stream that failed mid-way cannot go on on another worker (as its ``move``-th
-        move); None when it can."""
-        if code not in _RETRYABLE:
-            return f"{code.name} is not a worker failure"
+    def _unmovable(self, request: pb.GenerateRequest, move: int) -> str | None:
+        """Why a stream whose worker failed mid-way cannot go on on another worker (as its
+        ``move``-th move); None when it can."""
         if move > self.config.max_migrations:
             return f"it was moved {move - 1} time(s), max_migrations {self.config.max_migrations}"
         if request.sampling.stop:

@@ -212,6 +212,28 @@ def test_a_stream_with_stop_strings_ends_with_unavailable_when_its_worker_dies(c
     assert time.monotonic() - started < 30, "the stream must end, not hang"
 
 
+def test_a_deadline_passing_mid_stream_ends_it_with_deadline_exceeded_not_a_migration(cluster):
+    """The client's deadline is not a worker failure: the stream ends with DEADLINE_EXCEEDED after its
+    first tokens, is not moved to the other worker, and both workers' blocks come free."""
+    metrics = cluster["router"].metrics.registry
+
+    def moves():
+        return sum(metrics.get_sample_value("kvcascade_stream_migrations_total", {"result": r}) or 0
+                   for r in ("resumed", "not_moved"))
+
+    before = moves()
+    got = []
+    with pytest.raises(grpc.RpcError) as err:
+        for msg in cluster["stub"].Generate(chat(SYSTEM, "Tell me everything about tents.", max_tokens=0),
+                                            timeout=2.0):  # max_tokens 0: until the context ends
+            got.append(msg)
+    assert got, "the deadline should pass mid-stream, after the first tokens"
+    assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert moves() == before
+    assert wait_for(lambda: all(w.stats().kv_blocks_used == 0 and w.stats().running == 0
+                                for w in cluster["workers"].values()), timeout=5)
+
+
 def test_redis_down_keeps_serving_on_load_then_recovers(cluster):
     redis, router = cluster["redis"], cluster["router"]
     ask(cluster, chat(SYSTEM, "warm up"))
