@@ -14,6 +14,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from contracts.tls import TlsFiles
 from protos import kvcascade_pb2 as pb
 from protos import kvcascade_pb2_grpc as pb_grpc
 
@@ -24,8 +25,10 @@ _NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 
 class GrpcServer:
     def __init__(self, servicer: pb_grpc.KVCascadeServicer, is_healthy: Callable[[], bool | Awaitable[bool]],
-                 host: str = "127.0.0.1", port: int = 50051, *, health_poll_s: float = 1.0):
+                 host: str = "127.0.0.1", port: int = 50051, *, health_poll_s: float = 1.0,
+                 tls: TlsFiles | None = None):
         self.servicer = servicer
+        self.tls = tls  # None: plaintext (workers, behind the router; a router inside the cluster)
         self.is_healthy = is_healthy
         self.host = host
         self.port = port  # 0 picks a free port; start() stores the bound one
@@ -44,7 +47,8 @@ class GrpcServer:
         pb_grpc.add_KVCascadeServicer_to_server(self.servicer, server)
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
         reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
-        self.port = server.add_insecure_port(self.address)
+        self.port = (server.add_secure_port(self.address, self.tls.grpc_credentials()) if self.tls is not None
+                     else server.add_insecure_port(self.address))
         await server.start()
         self._server = server
         # Set before returning, so a health check right after start() never sees NOT_FOUND.

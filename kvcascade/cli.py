@@ -14,6 +14,7 @@ import re
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from worker.engine.config import EngineConfig
@@ -118,6 +119,9 @@ def _add_generate_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--temperature", type=float, help="0 is greedy (default: the server's)")
     parser.add_argument("--seed", type=int, help="makes a sampled answer reproducible")
     parser.add_argument("--timeout", type=float, help="deadline of the call in seconds")
+    parser.add_argument("--api-key", help="the server's API key (default: KVCASCADE_API_KEY, if set)")
+    parser.add_argument("--tls", action="store_true", help="connect over TLS, trusting the system's CAs")
+    parser.add_argument("--tls-ca", metavar="PEM", help="connect over TLS trusting this CA certificate (so --tls)")
 
 
 def _add_state_flags(parser: argparse.ArgumentParser) -> None:
@@ -145,7 +149,21 @@ def _add_router_flags(parser: argparse.ArgumentParser) -> None:
                        help="largest HTTP request body taken, in MiB; a larger one is answered 413 before it is read "
                             "whole (default: %(default)s)")
     group.add_argument("--api-key", action="append", default=[], dest="api_keys",
-                       help="require this API key (repeatable; also KVCASCADE_API_KEYS, comma-separated)")
+                       help="require this API key (repeatable; also KVCASCADE_API_KEYS, comma-separated); never "
+                            "logged. Health endpoints stay open")
+    group.add_argument("--protect-metrics", action="store_true",
+                       help="/metrics needs an API key too (default: open, for Prometheus inside the cluster)")
+    group.add_argument("--rate-limit", type=float, metavar="RPS",
+                       help="requests per second each client (API key, else address) may send, sustained; more get "
+                            "429 / RESOURCE_EXHAUSTED with retry-after (default: no limit). Per router process")
+    group.add_argument("--rate-burst", type=int, metavar="N",
+                       help="requests a client may send at once above --rate-limit (default: the rate, at least 1)")
+    group.add_argument("--max-concurrent-per-client", type=int, metavar="N",
+                       help="requests each client may have under way at once (a stream counts until it ends); more "
+                            "get 429 / RESOURCE_EXHAUSTED (default: no limit). Per router process")
+    group.add_argument("--tls-cert", metavar="PEM", help="serve gRPC and HTTP over TLS with this certificate chain "
+                       "(with --tls-key; a Kubernetes TLS Secret's tls.crt)")
+    group.add_argument("--tls-key", metavar="PEM", help="the private key of --tls-cert (tls.key)")
     group.add_argument("--cascade", metavar="FILE",
                        help="answer with a small model first, escalating by confidence, as this YAML file says "
                             "(deploy/cascade.example.yaml); re-read when it changes. serve starts one worker per "
@@ -220,7 +238,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 async def _run(args: argparse.Namespace) -> None:
     # Imported here so `kvcascade --help` and `generate` do not pay for torch.
-    from kvcascade.launch import (RouterOptions, Running, WorkerOptions, api_keys_from_env, start_router,
+    from kvcascade.launch import (RouterOptions, Running, WorkerOptions, start_router,
                                   start_worker, wait_for_signal)
 
     running = Running()
@@ -232,8 +250,8 @@ async def _run(args: argparse.Namespace) -> None:
                 key_prefix=args.key_prefix, grace_s=args.grace_period, exit_on_failure=True), running)
         else:
             ropts = RouterOptions(host=args.host, port=args.port, http_port=args.http_port,
-                                  redis_url=args.redis_url, policy=args.policy,
-                                  api_keys=[*args.api_keys, *api_keys_from_env()], key_prefix=args.key_prefix,
+                                  redis_url=args.redis_url, policy=args.policy, access=args.access,
+                                  tls=args.tls, key_prefix=args.key_prefix,
                                   cascade=args.cascade, http_workers=args.http_workers,
                                   max_body_bytes=int(args.max_body_mb * 2**20),
                                   tokenizer=args.tokenizer if args.command == "router" else None)
@@ -312,6 +330,31 @@ def _check_tp(config: EngineConfig) -> None:
 # --- generate ---------------------------------------------------------------------------------
 
 
+def _access(args: argparse.Namespace):
+    from kvcascade.launch import api_keys_from_env
+    from router.access import Access
+    from router.limits import Limits
+
+    try:
+        limits = Limits(rate=args.rate_limit, burst=args.rate_burst, concurrency=args.max_concurrent_per_client)
+    except ValueError as err:
+        raise ValueError(f"--rate-limit / --rate-burst / --max-concurrent-per-client: {err}") from None
+    keys = (*args.api_keys, *api_keys_from_env())
+    if args.protect_metrics and not keys:
+        raise ValueError("--protect-metrics needs an API key (--api-key or KVCASCADE_API_KEYS)")
+    return Access(api_keys=keys, limits=limits, protect_metrics=args.protect_metrics)
+
+
+def _tls(args: argparse.Namespace):
+    if args.tls_cert is None and args.tls_key is None:
+        return None
+    if args.tls_cert is None or args.tls_key is None:
+        raise ValueError("--tls-cert and --tls-key go together")
+    from contracts.tls import TlsFiles
+
+    return TlsFiles(args.tls_cert, args.tls_key)
+
+
 def _generate(args: argparse.Namespace) -> int:
     import grpc
 
@@ -328,9 +371,16 @@ def _generate(args: argparse.Namespace) -> int:
     else:
         request.text = args.prompt
     last = None
-    with grpc.insecure_channel(args.target) as channel:
+    key = args.api_key or os.environ.get("KVCASCADE_API_KEY")
+    metadata = (("authorization", f"Bearer {key}"),) if key else None
+    if args.tls or args.tls_ca:
+        ca = Path(args.tls_ca).read_bytes() if args.tls_ca else None
+        channel = grpc.secure_channel(args.target, grpc.ssl_channel_credentials(root_certificates=ca))
+    else:
+        channel = grpc.insecure_channel(args.target)
+    with channel:
         try:
-            for last in pb_grpc.KVCascadeStub(channel).Generate(request, timeout=args.timeout):
+            for last in pb_grpc.KVCascadeStub(channel).Generate(request, timeout=args.timeout, metadata=metadata):
                 sys.stdout.write(last.text)
                 sys.stdout.flush()
         except grpc.RpcError as err:
@@ -388,6 +438,11 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--address needs --redis-url: workers on other nodes register there")
     if args.command in ("serve", "router") and args.http_workers < 1:
         parser.error(f"--http-workers must be >= 1, got {args.http_workers}")
+    if args.command in ("serve", "router"):
+        try:  # the options the fronts take, checked (and the TLS files read) before anything starts
+            args.access, args.tls = _access(args), _tls(args)
+        except ValueError as err:
+            parser.error(str(err))
     if _needs_local_redis(args):
         from deploy.local import redis_server_binary
 

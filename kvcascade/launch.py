@@ -17,8 +17,10 @@ import signal
 import socket
 import threading
 from collections.abc import Collection
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+from contracts.tls import TlsFiles
+from router.access import Access
 from worker.engine.config import EngineConfig
 
 log = logging.getLogger("kvcascade")
@@ -52,7 +54,8 @@ class RouterOptions:
     http_port: int | None = 8000
     redis_url: str | None = None
     policy: str = "prefix_aware"
-    api_keys: Collection[str] = ()
+    access: Access = field(default_factory=Access)  # API keys, per-client limits, /metrics behind a key
+    tls: TlsFiles | None = None  # both fronts over TLS (--tls-cert, --tls-key)
     max_body_bytes: int = 16 * 2**20  # the HTTP API's largest request body (--max-body-mb)
     key_prefix: str = "kvc:"
     cascade: str | None = None  # a cascade file (router/cascade_config.py), re-read when it changes
@@ -176,6 +179,7 @@ async def start_router(opts: RouterOptions, running: Running, *, registry=None, 
     """Start the router's gRPC (and HTTP) fronts. Returns the Router. ``local_workers``: WorkerServers
     of this process (serve's embedded workers), which the router calls directly, not over loopback."""
     from router.grpc_api import RouterServer
+    from router.limits import ClientLimiter
     from router.router import Router, RouterConfig
     from contracts.stores import connect_state
 
@@ -205,21 +209,22 @@ async def start_router(opts: RouterOptions, running: Running, *, registry=None, 
     running.on_stop(router.close)
     sweeper = asyncio.create_task(router.run_sweeper(), name="index-sweeper")
     running.on_stop(sweeper.cancel)
-    server = RouterServer(router, opts.host, opts.port, api_keys=opts.api_keys)
+    limiter = ClientLimiter(opts.access.limits)  # one per process: a client counts once on both fronts
+    server = RouterServer(router, opts.host, opts.port, access=opts.access, limiter=limiter, tls=opts.tls)
     await server.start()
     running.on_stop(lambda: server.stop(grace_s))
-    log.info("router gRPC on %s (policy %s)", server.address, router.policy.name)
+    log.info("router gRPC%s on %s (policy %s)", " (TLS)" if opts.tls else "", server.address, router.policy.name)
     if opts.http_port is not None:
         from router.http_api import create_app, http_port, serve_http, stop_http
 
-        app = create_app(router, api_keys=opts.api_keys, max_body_bytes=opts.max_body_bytes)
+        app = create_app(router, access=opts.access, limiter=limiter, max_body_bytes=opts.max_body_bytes)
         http_server, task = await serve_http(app, opts.host, opts.http_port,
-                                             reuse_port=opts.http_workers > 1)
+                                             reuse_port=opts.http_workers > 1, tls=opts.tls)
         running.on_stop(lambda: stop_http(http_server, task))
         port = http_port(http_server)  # with --http-port 0, the children join the port bound here
         if opts.http_workers > 1:
             await _start_http_workers(opts, port, running)
-        log.info("router HTTP (OpenAI-style) on http://%s:%d/v1%s", opts.host, port,
+        log.info("router HTTP (OpenAI-style) on %s://%s:%d/v1%s", "https" if opts.tls else "http", opts.host, port,
                  f" in {opts.http_workers} processes" if opts.http_workers > 1 else "")
     return router
 
@@ -233,7 +238,7 @@ async def _start_http_workers(opts: RouterOptions, port: int, running: Running) 
     formatter = next((h.formatter for h in root.handlers if type(h.formatter) is logging.Formatter), None)
     workers = HttpWorkers(HttpFrontOptions(
         host=opts.host, port=port, redis_url=opts.redis_url, key_prefix=opts.key_prefix, policy=opts.policy,
-        api_keys=tuple(opts.api_keys), cascade=opts.cascade, tokenizer=opts.tokenizer,
+        access=opts.access, tls=opts.tls, cascade=opts.cascade, tokenizer=opts.tokenizer,
         max_body_bytes=opts.max_body_bytes,
         log_level=root.getEffectiveLevel(), log_formatter=formatter), opts.http_workers - 1)
     try:

@@ -1,29 +1,21 @@
 """The router's gRPC front: the same KVCascade service a worker serves, so clients need not know
 that workers exist. API keys (when configured) come in the ``authorization: Bearer KEY`` or
-``x-api-key`` metadata."""
+``x-api-key`` metadata; a client over its limits (router/limits.py) gets RESOURCE_EXHAUSTED with
+``retry-after`` (seconds) in the trailing metadata."""
 
 from __future__ import annotations
-
-import hmac
-from collections.abc import Collection
 
 import grpc
 
 from contracts.grpc_server import GrpcServer
+from contracts.tls import TlsFiles
 from protos import kvcascade_pb2 as pb
 from protos import kvcascade_pb2_grpc as pb_grpc
+from router.access import Access, ApiKeys
 from router.coalesce import coalesced
 from router.errors import RouterError
+from router.limits import ClientLimiter, Limited
 from router.router import Router
-
-
-def key_allowed(given: str | None, api_keys: Collection[str]) -> bool:
-    """Constant-time check of a presented key against the configured ones (none configured: open)."""
-    if not api_keys:
-        return True
-    if not given:
-        return False
-    return any(hmac.compare_digest(given.encode(), k.encode()) for k in api_keys)
 
 
 def _presented_key(context: grpc.aio.ServicerContext) -> str | None:
@@ -35,28 +27,53 @@ def _presented_key(context: grpc.aio.ServicerContext) -> str | None:
     return None
 
 
-class RouterServicer(pb_grpc.KVCascadeServicer):
-    def __init__(self, router: Router, api_keys: Collection[str] = ()):
-        self.router = router
-        self.api_keys = tuple(api_keys)
+def _address(context: grpc.aio.ServicerContext) -> str:
+    """The client's host, without its port ("ipv4:127.0.0.1:5555" -> "127.0.0.1")."""
+    peer = context.peer() or ""
+    kind, _, rest = peer.partition(":")
+    return rest.rpartition(":")[0].strip("[]") if kind in ("ipv4", "ipv6") else peer
 
-    async def _check_key(self, context: grpc.aio.ServicerContext) -> None:
-        if not key_allowed(_presented_key(context), self.api_keys):
+
+async def _refuse(context: grpc.aio.ServicerContext, code: grpc.StatusCode, message: str,
+                  retry_after: str | None = None) -> None:
+    if retry_after is not None:
+        context.set_trailing_metadata((("retry-after", retry_after),))
+    await context.abort(code, message)
+
+
+class RouterServicer(pb_grpc.KVCascadeServicer):
+    def __init__(self, router: Router, access: Access = Access(), limiter: ClientLimiter | None = None):
+        self.router = router
+        self.keys = ApiKeys(access.api_keys)
+        self.limiter = limiter if limiter is not None else ClientLimiter(access.limits)
+
+    async def _check_key(self, context: grpc.aio.ServicerContext) -> str | None:
+        """The key presented, once it is known to be a valid one (or None when the API is open)."""
+        given = _presented_key(context)
+        if self.keys and self.keys.match(given) is None:
             await context.abort(grpc.StatusCode.UNAUTHENTICATED, "a valid API key is required")
+        return given
 
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> None:
         # A coroutine writing with context.write: a cancelled call cancels this task, and closing
         # the stream below cancels the worker call, so the worker frees the request's blocks.
         # Coalesced: a client that reads slower than the worker writes gets fewer, larger messages.
-        await self._check_key(context)
+        given = await self._check_key(context)
+        try:
+            release = self.limiter.admit(self.keys.client(given, _address(context)))
+        except Limited as over:
+            self.router.metrics.limited.labels(over.reason).inc()
+            await _refuse(context, grpc.StatusCode.RESOURCE_EXHAUSTED, over.message, over.retry_after)
         stream = coalesced(self.router.generate(request, timeout=context.time_remaining()))
         try:
             async for msg in stream:
                 await context.write(msg)
         except RouterError as err:
-            await context.abort(err.code, err.message)
+            retry = "1" if err.code == grpc.StatusCode.RESOURCE_EXHAUSTED else None
+            await _refuse(context, err.code, err.message, retry)
         finally:
             await stream.aclose()
+            release()
 
     async def Stats(self, request: pb.StatsRequest, context: grpc.aio.ServicerContext) -> pb.StatsResponse:
         """The sum over live workers (their last heartbeats) and this router's prefix-hit counters."""
@@ -80,6 +97,9 @@ class RouterServer(GrpcServer):
     """Serving while at least one worker is live."""
 
     def __init__(self, router: Router, host: str = "127.0.0.1", port: int = 50051, *,
-                 api_keys: Collection[str] = (), health_poll_s: float = 1.0):
-        super().__init__(RouterServicer(router, api_keys), router.ready, host, port, health_poll_s=health_poll_s)
+                 access: Access = Access(), limiter: ClientLimiter | None = None, health_poll_s: float = 1.0,
+                 tls: TlsFiles | None = None):
+        """``limiter``: the one the process's HTTP front uses too, so a client is one client on both."""
+        super().__init__(RouterServicer(router, access, limiter), router.ready, host, port, health_poll_s=health_poll_s,
+                         tls=tls)
         self.router = router

@@ -3,13 +3,19 @@
     POST /v1/completions, /v1/chat/completions   (stream: server-sent events, or one JSON answer)
     GET  /v1/models                              (the models live workers serve, their max_model_len)
     POST /tokenize, /detokenize                  (vLLM's: a prompt or messages <-> token ids)
-    GET  /healthz  /readyz  /metrics             (never behind the API key)
+    GET  /healthz  /readyz                       (never behind the API key)
+    GET  /metrics                                (behind it only with Access.protect_metrics)
 
 Bodies become a pb.GenerateRequest (router/openai_protocol.py) for ``Router.generate``. Errors
 are OpenAI's ``{"error": {"message", "type", "param", "code"}}``; a RouterError maps by code:
 
     INVALID_ARGUMENT 400   UNAUTHENTICATED 401   RESOURCE_EXHAUSTED 429   CANCELLED 499
     INTERNAL 500           UNAVAILABLE 503       DEADLINE_EXCEEDED 504
+
+POSTs count against their client's limits (router/limits.py) while their answer is sent; one
+over them gets 429 with ``retry-after``, as does a request no worker has room for. A request's
+``timeout`` field (seconds) is its deadline at the workers: past it the worker frees its blocks
+and the client gets 504 (or, mid-stream, an error event).
 
 A stream is only opened once the first worker message is in, so everything that fails before
 any output (a bad field, no worker, a full queue) still gets its HTTP status; a failure after
@@ -26,9 +32,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import re
-import secrets
 import socket
-from collections.abc import AsyncIterator, Awaitable, Collection
+from collections.abc import AsyncIterator, Awaitable
 from typing import Any, TypeVar
 
 import grpc
@@ -41,9 +46,13 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException
 
+from contracts.tls import TlsFiles
 from protos import kvcascade_pb2 as pb
+from router.access import Access, ApiKeys
 from router.coalesce import coalesced
 from router.errors import RouterError
+from router.limits import ClientLimiter, Limited
+from router.metrics import RouterMetrics
 from router.openai_protocol import (Answer, BadRequest, Call, ChatRequest, CompletionRequest, DetokenizeRequest,
                                     Echo, TokenizeRequest, chat_call, completion_call)
 from router.router import Router, tokenize
@@ -73,23 +82,27 @@ class _JSONResponse(JSONResponse):
 
 
 class ApiError(Exception):
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None):
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 retry_after: str | None = None):
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
+        self.retry_after = retry_after
 
     def body(self) -> dict[str, Any]:
         kind = _TYPE.get(self.status, "server_error")
         return {"error": {"message": self.message, "type": kind, "param": self.param, "code": self.code}}
 
     def response(self) -> JSONResponse:
-        headers = {"WWW-Authenticate": "Bearer"} if self.status == 401 else None
+        headers = {"WWW-Authenticate": "Bearer"} if self.status == 401 else {}
+        if self.retry_after is not None:
+            headers["retry-after"] = self.retry_after
         return _JSONResponse(self.body(), status_code=self.status, headers=headers)
 
 
 def _from_router(err: RouterError, call: Call) -> ApiError:
     status = _STATUS.get(err.code, 500)
-    if status != 400:
-        return ApiError(status, err.message, code=err.code.name.lower())
+    if status != 400:  # no worker with room (429): worth a retry in a second
+        return ApiError(status, err.message, code=err.code.name.lower(), retry_after="1" if status == 429 else None)
     name, sep, rest = err.message.partition(":")
     if not sep or not _FIELD.fullmatch(name):
         return ApiError(400, err.message, code="invalid_value")
@@ -297,7 +310,7 @@ async def _answer(router: Router, request: Request, call: Call) -> Response:
         answer = Answer(call, model, tokenizer, await _echoes(call, tokenizer))
     except RouterError as err:
         raise _from_router(err, call) from None
-    streams = [_checked(router.generate(r)) for r in call.requests]
+    streams = [_checked(router.generate(r, timeout=call.timeout)) for r in call.requests]
     if call.stream:  # errors checked before merging, so the tokens before a failure still go out
         streams = [coalesced(s) for s in streams]
     messages = _merged(streams)
@@ -329,21 +342,55 @@ async def _collect(messages: AsyncIterator[tuple[int, pb.GenerateResponse]],
 # --- the app ------------------------------------------------------------------------------------
 
 
-def create_app(router: Router, *, api_keys: Collection[str] = (), max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
-               ) -> FastAPI:
-    """An OpenAI-compatible app over ``router``; with ``api_keys``, /v1/* needs one as a bearer token;
-    request bodies over ``max_body_bytes`` are answered 413."""
-    keys = [k.encode() for k in api_keys if k]
+def _bearer(authorization: str) -> str | None:
+    scheme, _, token = authorization.partition(" ")
+    return (token.strip() or None) if scheme.lower() == "bearer" else None
+
+
+class _ClientLimits:
+    """ASGI middleware: a POST counts against its client's limits for as long as its answer is being
+    sent (a stream until its last event), or is answered 429 with ``retry-after`` at once."""
+
+    def __init__(self, app, keys: ApiKeys, limiter: ClientLimiter, metrics: RouterMetrics):
+        self.app, self.keys, self.limiter, self.metrics = app, keys, limiter, metrics
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http" or scope["method"] != "POST":
+            await self.app(scope, receive, send)
+            return
+        authorization = next((v for k, v in scope["headers"] if k == b"authorization"), b"").decode("latin-1")
+        address = scope["client"][0] if scope.get("client") else "unknown"
+        try:
+            release = self.limiter.admit(self.keys.client(_bearer(authorization), address))
+        except Limited as over:
+            self.metrics.limited.labels(over.reason).inc()
+            refusal = ApiError(429, over.message, code="rate_limit_exceeded", retry_after=over.retry_after)
+            await refusal.response()(scope, receive, send)
+            return
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            release()
+
+
+def create_app(router: Router, *, access: Access = Access(), limiter: ClientLimiter | None = None,
+               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
+    """An OpenAI-compatible app over ``router``; with API keys, /v1/* and the tools need one as a
+    bearer token (/metrics too with ``access.protect_metrics``); request bodies over
+    ``max_body_bytes`` are answered 413; POSTs over their client's ``access.limits``, 429 (counted
+    in ``limiter``, shared with the gRPC front of the process, else one of the app's own)."""
+    keys = ApiKeys(access.api_keys)
     app = FastAPI(title="kvcascade router", docs_url=None, redoc_url=None, openapi_url=None,
                   default_response_class=_JSONResponse)
+    if access.limits.active:
+        app.add_middleware(_ClientLimits, keys=keys, metrics=router.metrics,
+                           limiter=limiter if limiter is not None else ClientLimiter(access.limits))
 
     async def authorize(request: Request) -> None:
-        scheme, _, token = request.headers.get("authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not token.strip():
+        given = _bearer(request.headers.get("authorization", ""))
+        if given is None:
             raise ApiError(401, "missing API key: send 'Authorization: Bearer <key>'", code="invalid_api_key")
-        given = token.strip().encode()
-        # Compare with every key, so the time taken says nothing about which one nearly matched.
-        if not sum(secrets.compare_digest(given, k) for k in keys):
+        if keys.match(given) is None:
             raise ApiError(401, "incorrect API key", code="invalid_api_key")
 
     v1 = APIRouter(prefix="/v1", dependencies=[Depends(authorize)] if keys else [])
@@ -402,7 +449,7 @@ def create_app(router: Router, *, api_keys: Collection[str] = (), max_body_bytes
             return _JSONResponse({"status": "ready"})
         return _JSONResponse({"status": "no live worker"}, status_code=503)
 
-    @app.get("/metrics")
+    @app.get("/metrics", dependencies=[Depends(authorize)] if keys and access.protect_metrics else [])
     async def metrics() -> Response:
         return Response(router.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
@@ -441,17 +488,18 @@ class _Server(uvicorn.Server):
         yield
 
 
-async def serve_http(app: FastAPI, host: str, port: int, *, reuse_port: bool = False
+async def serve_http(app: FastAPI, host: str, port: int, *, reuse_port: bool = False, tls: TlsFiles | None = None
                      ) -> tuple[uvicorn.Server, asyncio.Task[None]]:
-    """Serve ``app`` on host:port (0: a free port, see ``http_port``) in a task of this loop.
-    Returns once it accepts connections; ``stop_http`` stops it. ``reuse_port``: SO_REUSEPORT, so
-    other processes (router/http_workers.py) can listen on the same port and the kernel spreads
-    connections over them; off, a port in use is an error."""
+    """Serve ``app`` on host:port (0: a free port, see ``http_port``) in a task of this loop, over
+    HTTPS with ``tls``. Returns once it accepts connections; ``stop_http`` stops it. ``reuse_port``:
+    SO_REUSEPORT, so other processes (router/http_workers.py) can listen on the same port and the
+    kernel spreads connections over them; off, a port in use is an error."""
     # Bound here, so a taken port raises OSError to the caller instead of uvicorn's sys.exit.
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.create_server((host, port), family=family, reuse_port=reuse_port)
     config = uvicorn.Config(app, host=host, port=port, log_level="warning", log_config=None, access_log=False,
-                            lifespan="off", timeout_graceful_shutdown=5)
+                            lifespan="off", timeout_graceful_shutdown=5,
+                            ssl_certfile=tls.cert if tls else None, ssl_keyfile=tls.key if tls else None)
     server = _Server(config)
     task = asyncio.create_task(server.serve(sockets=[sock]), name="kvcascade-http")
     while not server.started:

@@ -26,6 +26,9 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
 
+from contracts.tls import TlsFiles
+from router.access import Access
+
 log = logging.getLogger(__name__)
 
 _SPAWN = multiprocessing.get_context("spawn")
@@ -40,7 +43,8 @@ class HttpFrontOptions:
     redis_url: str
     key_prefix: str
     policy: str
-    api_keys: tuple[str, ...]
+    access: Access
+    tls: TlsFiles | None
     cascade: str | None
     tokenizer: str | None
     max_body_bytes: int
@@ -214,9 +218,8 @@ async def _serve(opts: HttpFrontOptions, slot: int, ready: Connection) -> None:
         router = Router(registry, index, RouterConfig(policy=opts.policy, tokenizer=opts.tokenizer), cascade=cascade)
         # Before it binds: the kernel sends no connection here while the tokenizers load.
         await router.load_tokenizers()
-        app = create_app(router, api_keys=opts.api_keys, max_body_bytes=opts.max_body_bytes)
-        server, task = await serve_http(app, opts.host, opts.port,
-                                        reuse_port=True)
+        app = create_app(router, access=opts.access, max_body_bytes=opts.max_body_bytes)
+        server, task = await serve_http(app, opts.host, opts.port, reuse_port=True, tls=opts.tls)
     except Exception as err:
         ready.send(f"{type(err).__name__}: {err}")
         raise

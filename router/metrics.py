@@ -25,6 +25,8 @@ class RouterMetrics:
                                "first token", registry=r)
         self.migrations = Counter("kvcascade_stream_migrations", "Streams moved to another worker after their "
                                   "worker failed mid-stream, by result", ["result"], registry=r)
+        self.limited = Counter("kvcascade_requests_limited", "Requests refused (429 / RESOURCE_EXHAUSTED) for their "
+                               "client's limits, by which (rate, concurrency)", ["reason"], registry=r)
         self.state_up = Gauge("kvcascade_state_backend_up", "1 while the registry and prefix index answer; "
                               "0 means load-only routing on the last known workers", registry=r)
         self.worker_running = Gauge("kvcascade_worker_running", "Running requests per worker", ["worker"], registry=r)

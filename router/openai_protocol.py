@@ -25,6 +25,7 @@ from protos import kvcascade_pb2 as pb
 
 MAX_CHOICES = 128  # n, best_of, and prompts x best_of: answers one request may ask for
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's documented default for /v1/completions
+MAX_TIMEOUT_S = 24 * 3600.0  # the "timeout" field: a day at most
 CHAT_UNTIL_CONTEXT_ENDS = 0  # the proto's max_tokens for "no limit but the context"
 Int32 = Annotated[int, Field(ge=-(2**31), le=2**31 - 1)]
 TokenId = Annotated[int, Field(ge=0, le=2**31 - 1)]
@@ -61,6 +62,9 @@ class _Request(BaseModel):
     stop: list[str] | None = None
     n: int | None = Field(None, ge=1, le=MAX_CHOICES)
     user: str | None = None  # accepted and ignored
+    # Seconds the answer may take, end to end (the workers' deadline): past it, 504 and the KV
+    # blocks freed. As the OpenAI SDKs' client-side timeout, but the server stops working too.
+    timeout: float | None = Field(None, gt=0, le=MAX_TIMEOUT_S)
     # Features the engine lacks: accepted only at their neutral value, never silently dropped.
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
@@ -218,6 +222,7 @@ class Call:
     best_of: int = 1  # samples per prompt (>= n): the n with the highest cumulative logprob are kept
     echo: bool = False
     logprobs: int | None = None  # what the client asked for (best_of > n asks the workers for 0 at least)
+    timeout: float | None = None  # seconds, the deadline of every sample's request
 
     @property
     def request(self) -> pb.GenerateRequest:
@@ -272,7 +277,7 @@ def completion_call(body: CompletionRequest) -> Call:
         requests.append(request)
     aliases = {"text": "prompt", "token_ids": "prompt", "prompt_token_ids": "prompt"}
     return Call("completion", _samples(requests, best_of, body.seed), body.stream, _include_usage(body), aliases,
-                rid, n=n, best_of=best_of, echo=body.echo, logprobs=body.logprobs)
+                rid, n=n, best_of=best_of, echo=body.echo, logprobs=body.logprobs, timeout=body.timeout)
 
 
 def _choices(body: _Request, best_of: int | None) -> tuple[int, int]:
@@ -319,7 +324,7 @@ def chat_call(body: ChatRequest) -> Call:
     aliases = {"max_tokens": max_name, "logprobs": "top_logprobs", "prompt": "messages",
                "text": "messages", "token_ids": "messages", "prompt_token_ids": "messages"}
     return Call("chat", _samples([request], n, body.seed), body.stream, _include_usage(body), aliases, rid, n=n,
-                best_of=n, logprobs=logprobs)
+                best_of=n, logprobs=logprobs, timeout=body.timeout)
 
 
 def _add_messages(request: pb.GenerateRequest, messages: Iterable[ChatMessage]) -> None:

@@ -16,6 +16,7 @@ import httpx
 import openai
 import pytest
 
+from router.access import Access
 from router.http_api import create_app, http_port, serve_http, stop_http
 from contracts.memory_state import MemoryPrefixIndex, MemoryRegistry
 from router.router import Router
@@ -97,7 +98,7 @@ def running_stack(smollm2: LLMEngine, **engine_config: Any) -> Iterator[Stack]:
                           max_model_len=engine.max_model_len)
         await registry.register(info, ttl_s=3600)
         router = Router(registry, MemoryPrefixIndex())
-        server, task = await serve_http(create_app(router, api_keys=[KEY]), "127.0.0.1", 0)
+        server, task = await serve_http(create_app(router, access=Access(api_keys=(KEY,))), "127.0.0.1", 0)
         return engine, worker, registry, info, router, server, task
 
     engine, worker, registry, info, router, server, task = loop.run(start())
