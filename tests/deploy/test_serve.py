@@ -19,21 +19,24 @@ from deploy.local import REPO, free_port
 
 
 class Serve:
-    def __init__(self, *args: str):
+    def __init__(self, *args: str, scheme: str = "http", **client: object):
+        """``client``: what httpx needs to reach it (verify=, headers=), with ``scheme`` https for TLS."""
+        self.client = client
         self.port, self.http_port = free_port(), free_port()
         self.log = open(Path(tempfile.gettempdir()) / f"kvcascade-serve-{self.http_port}.log", "w")
         env = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "kvcascade", "serve", "--port", str(self.port), "--http-port", str(self.http_port),
              *args], cwd=REPO, env=env, stdout=self.log, stderr=subprocess.STDOUT)
-        self.url = f"http://127.0.0.1:{self.http_port}"
+        self.url = f"{scheme}://127.0.0.1:{self.http_port}"
 
     def wait_ready(self, timeout: float = 300) -> Serve:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             assert self.proc.poll() is None, Path(self.log.name).read_text()[-3000:]
             try:
-                if httpx.get(f"{self.url}/v1/models", timeout=2).status_code == 200 and "kvcascade serve ready" in \
+                if httpx.get(f"{self.url}/v1/models", timeout=2, **self.client).status_code == 200 and \
+                        "kvcascade serve ready" in \
                         Path(self.log.name).read_text():
                     return self
             except httpx.HTTPError:
@@ -139,6 +142,74 @@ def test_serve_with_http_workers_answers_and_leaves_no_process_behind():
 
     time.sleep(0.5)  # orphans the kernel reparents are reaped by init
     assert [p.pid for p in started if alive(p)] == [], "serve left processes behind"
+
+
+@pytest.mark.slow
+def test_serve_over_tls_with_keys_and_limits_in_every_http_process(tmp_path):
+    """TLS, API keys and per-client limits reach both HTTP processes of --http-workers 2 and the gRPC
+    front: 12 requests at once from one key with at most 2 under way (per process) are answered or
+    refused 429 with retry-after, never anything else; ``kvcascade generate`` connects over TLS."""
+    import ssl
+
+    import trustme
+
+    ca = trustme.CA()
+    cert = ca.issue_cert("127.0.0.1")
+    cert.private_key_pem.write_to_path(str(tmp_path / "tls.key"))
+    cert.cert_chain_pems[0].write_to_path(str(tmp_path / "tls.crt"))
+    ca.cert_pem.write_to_path(str(tmp_path / "ca.pem"))
+    trust = ssl.create_default_context()
+    ca.configure_trust(trust)
+    key = "sk-serve-tls-key"
+    from contracts.models import resolve_model
+
+    serve = Serve("--model", "dummy:smollm2-mini", "--tokenizer", str(resolve_model("smollm2-135m").path),
+                  "--http-workers", "2", "--tls-cert", str(tmp_path / "tls.crt"), "--tls-key", str(tmp_path / "tls.key"),
+                  "--api-key", key, "--max-concurrent-per-client", "2",
+                  scheme="https", verify=trust, headers={"Authorization": f"Bearer {key}"}).wait_ready()
+    try:
+        def ask(i: int) -> httpx.Response:
+            with httpx.Client(verify=trust, headers=serve.client["headers"], timeout=120) as c:  # own connection
+                return c.post(f"{serve.url}/v1/completions", json={"prompt": f"Count to {i}", "max_tokens": 200,
+                                                                   "ignore_eos": True})
+
+        with ThreadPoolExecutor(12) as pool:
+            answers = list(pool.map(ask, range(12)))
+        codes = [a.status_code for a in answers]
+        print("status codes", sorted(codes))
+        assert set(codes) <= {200, 429} and 2 <= codes.count(200) <= 10, codes
+        assert all(a.headers["retry-after"] == "1" for a in answers if a.status_code == 429)
+        assert httpx.get(f"{serve.url}/v1/models", verify=trust).status_code == 401  # no key
+        done = subprocess.run(
+            [sys.executable, "-m", "kvcascade", "generate", "--target", f"127.0.0.1:{serve.port}", "--prompt", "hi",
+             "--max-tokens", "3", "--tls-ca", str(tmp_path / "ca.pem"), "--api-key", key],
+            cwd=REPO, capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0 and "completion 3 tokens" in done.stderr, done.stderr
+        plain = subprocess.run(
+            [sys.executable, "-m", "kvcascade", "generate", "--target", f"127.0.0.1:{serve.port}", "--prompt", "hi",
+             "--max-tokens", "3", "--api-key", key, "--timeout", "10"],
+            cwd=REPO, capture_output=True, text=True, timeout=120)
+        assert plain.returncode == 1 and "UNAVAILABLE" in plain.stderr
+    finally:
+        assert serve.stop() == 0
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--tls-cert", "/no/such.crt"], "--tls-cert and --tls-key go together"),
+    (["--tls-cert", "/no/such.crt", "--tls-key", "/no/such.key"], "--tls-cert /no/such.crt: No such file"),
+    (["--rate-limit", "0"], "rate must be > 0, got 0"),
+    (["--rate-burst", "5"], "burst needs a rate"),
+    (["--max-concurrent-per-client", "-1"], "concurrency must be > 0"),
+    (["--protect-metrics"], "--protect-metrics needs an API key"),
+])
+def test_access_flags_that_make_no_sense_are_refused_before_loading(capsys, monkeypatch, flags, message):
+    from kvcascade.cli import main
+
+    monkeypatch.delenv("KVCASCADE_API_KEYS", raising=False)
+    for argv in (["serve"], ["router", "--redis-url", "redis://x"]):
+        with pytest.raises(SystemExit) as exit:
+            main([*argv, *flags])
+        assert exit.value.code == 2 and message in capsys.readouterr().err
 
 
 def test_http_workers_below_one_is_refused_naming_the_flag(capsys):
