@@ -6,9 +6,11 @@ from __future__ import annotations
 import json
 import re
 
+import pytest
 import yaml
 
 from kvcascade.cli import build_parser
+from router.limits import Limits
 from tests.helm.chart import CHART, PREFIX, VARIANTS, args_after_script, containers, env_of, expand, flag, render
 
 
@@ -65,6 +67,16 @@ def test_router_flags_are_the_clis(rendered):
     cascade = rendered.values["cascade"]
     assert unknown == []
     assert args.cascade == (f"{cascade['mountPath']}/cascade.yaml" if cascade["enabled"] else None)
+    router = rendered.values["router"]
+    assert (args.tls_cert is not None) == (args.tls_key is not None) == router["tls"]["enabled"]
+    # Limits: exactly the values set (0 or null: no flag), and ones the router itself accepts.
+    limits = router["limits"]  # (Helm drops the keys whose value is null)
+    assert (args.rate_limit, args.rate_burst, args.max_concurrent_per_client) == tuple(
+        limits.get(name) or None for name in ("rateLimit", "rateBurst", "maxConcurrentPerClient"))
+    Limits(rate=args.rate_limit, burst=args.rate_burst, concurrency=args.max_concurrent_per_client)
+    assert args.protect_metrics == router["metrics"]["protect"]
+    if args.protect_metrics:  # the router refuses to start without keys to check /metrics against
+        assert "KVCASCADE_API_KEYS" in env_of(c)
 
 
 def test_worker_flags_are_the_clis(rendered):
@@ -161,11 +173,58 @@ def test_api_keys_come_from_a_secret():
 def test_router_probes(rendered):
     c = rendered.container("router")
     ports = {p["name"]: p["containerPort"] for p in c["ports"]}
+    https = {"scheme": "HTTPS"} if rendered.values["router"]["tls"]["enabled"] else {}
     # Ready = gRPC health SERVING (a live worker, as /readyz); alive = /healthz, which needs no worker,
     # so routers are not restarted while the workers load.
-    assert c["readinessProbe"]["grpc"] == {"port": ports["grpc"]}
-    assert c["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "http"}
-    assert c["startupProbe"]["httpGet"] == {"path": "/healthz", "port": "http"}
+    if https:  # the kubelet's grpc probe cannot speak TLS: /readyz, the same condition, over HTTPS
+        assert "grpc" not in c["readinessProbe"]
+        assert c["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "http", **https}
+    else:
+        assert c["readinessProbe"]["grpc"] == {"port": ports["grpc"]}
+    assert c["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "http", **https}
+    assert c["startupProbe"]["httpGet"] == {"path": "/healthz", "port": "http", **https}
+
+
+def test_tls_secret_is_mounted_read_only_for_the_flags():
+    r = render(VARIANTS["tls"])
+    pod = r.pods("router")[0]
+    c = pod["spec"]["containers"][0]
+    volume = next(v for v in pod["spec"]["volumes"] if v["name"] == "tls")
+    assert volume["secret"]["secretName"] == "router-tls"
+    assert volume["secret"]["defaultMode"] & 0o007 == 0  # the private key is not world-readable
+    mount = next(m for m in c["volumeMounts"] if m["name"] == "tls")
+    # A directory mount, not subPath: a renewed Secret reaches the files (read at the next start).
+    assert mount["readOnly"] and "subPath" not in mount
+    assert flag(c["args"], "--tls-cert") == f"{mount['mountPath']}/tls.crt"
+    assert flag(c["args"], "--tls-key") == f"{mount['mountPath']}/tls.key"
+    http = next(p for p in r.one("Service", f"{PREFIX}-router")["spec"]["ports"] if p["name"] == "http")
+    assert http["appProtocol"] == "https"
+    assert "https://demo-kvcascade-router.serving.svc:8000/v1" in r.notes and "http://" not in r.notes
+    assert "--cacert" in r.notes and "over TLS" in r.notes
+    plain = render()
+    assert "--tls-cert" not in plain.container("router")["args"]
+    assert not any(v["name"] == "tls" for v in plain.pods("router")[0]["spec"]["volumes"])
+
+
+@pytest.mark.parametrize("limits, expected", [
+    ({}, []),
+    ({"rateLimit": 0, "rateBurst": None, "maxConcurrentPerClient": 0}, []),
+    ({"maxConcurrentPerClient": 8}, ["--max-concurrent-per-client", "8"]),
+    ({"rateLimit": 50}, ["--rate-limit", "50"]),
+    ({"rateLimit": 2.5, "rateBurst": 10, "maxConcurrentPerClient": 4},
+     ["--rate-limit", "2.5", "--rate-burst", "10", "--max-concurrent-per-client", "4"]),
+])  # fmt: skip
+def test_limits_render_exactly_the_flags_given(limits, expected):
+    args = render({"router": {"limits": limits}}).container("router")["args"]
+    names = ("--rate-limit", "--rate-burst", "--max-concurrent-per-client")
+    assert [a for i, a in enumerate(args) if a in names or (i and args[i - 1] in names)] == expected
+
+
+def test_protected_metrics():
+    r = render(VARIANTS["protected-metrics"])
+    assert "--protect-metrics" in r.container("router")["args"]
+    assert "/metrics needs an API key too" in r.notes
+    assert "--protect-metrics" not in render().container("router")["args"]
 
 
 def test_worker_probes(rendered):

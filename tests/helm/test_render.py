@@ -25,12 +25,9 @@ def test_lint_is_clean(variant, kube_version):
 # Custom resources have no schema in kubernetes-validate: their pod templates are checked as
 # core PodTemplates, and the fields we set against this much of the CRDs (ray.io/v1 RayCluster,
 # monitoring.coreos.com/v1 ServiceMonitor).
-
-
-# Custom resources have no schema in kubernetes-validate: their pod templates are checked as
-# core PodTemplates, and the fields we set against this much of the CRDs (ray.io/v1 RayCluster,
-# monitoring.coreos.com/v1 ServiceMonitor).
 _STR_MAP = {"type": "object", "additionalProperties": {"type": "string"}}
+_SECRET_KEY = {"type": "object", "additionalProperties": False, "required": ["key"],
+               "properties": {"name": {"type": "string"}, "key": {"type": "string"}, "optional": {"type": "boolean"}}}
 _CRD_SCHEMAS = {
     "RayCluster": {
         "type": "object", "required": ["apiVersion", "kind", "metadata", "spec"],
@@ -66,8 +63,17 @@ _CRD_SCHEMAS = {
                                                          "matchNames": {"type": "array", "items": {"type": "string"}}}},
                     "endpoints": {"type": "array", "minItems": 1, "items": {
                         "type": "object", "additionalProperties": False,
-                        "properties": {"port": {"type": "string"}, "path": {"type": "string"},
-                                       "interval": {"type": "string", "pattern": "^[0-9]+(ms|s|m|h)$"}}}},
+                        "properties": {
+                            "port": {"type": "string"}, "path": {"type": "string"},
+                            "interval": {"type": "string", "pattern": "^[0-9]+(ms|s|m|h)$"},
+                            "scheme": {"enum": ["http", "https"]},
+                            "tlsConfig": {"type": "object", "additionalProperties": False, "properties": {
+                                "serverName": {"type": "string"}, "insecureSkipVerify": {"type": "boolean"},
+                                "ca": {"type": "object", "additionalProperties": False,
+                                       "properties": {"secret": _SECRET_KEY, "configMap": _SECRET_KEY}}}},
+                            "authorization": {"type": "object", "additionalProperties": False,
+                                              "properties": {"type": {"type": "string"}, "credentials": _SECRET_KEY}},
+                        }}},
                 },
             },
         },
@@ -178,4 +184,30 @@ def test_service_monitor_scrapes_the_router_metrics():
     assert sm["spec"]["namespaceSelector"] == {"matchNames": [NAMESPACE]}
     assert [(e["port"], e["path"]) for e in sm["spec"]["endpoints"]] == [("http", "/metrics")]
     assert "http" in {p["name"] for p in svc["spec"]["ports"]}
+    # Plain http and no key: the router's /metrics is open unless router.metrics.protect.
+    assert not {"scheme", "tlsConfig", "authorization"} & set(sm["spec"]["endpoints"][0])
     assert render().all("ServiceMonitor") == []
+
+
+def _scrape(values: Obj) -> Obj:
+    return render(values).one("ServiceMonitor", f"{PREFIX}-router")["spec"]["endpoints"][0]
+
+
+def test_service_monitor_scrapes_https_and_verifies_the_certificate():
+    endpoint = _scrape(VARIANTS["tls"])
+    assert endpoint["scheme"] == "https"
+    # Scrapes reach pod IPs: the certificate is checked for the Service's name, against the CA given.
+    assert endpoint["tlsConfig"] == {"serverName": f"{PREFIX}-router.{NAMESPACE}.svc",
+                                     "ca": {"secret": {"name": "router-tls", "key": "ca.crt"}}}
+    # No CA: the system roots; skipping verification only when asked for.
+    assert _scrape({"router": {"tls": {"enabled": True, "secretName": "t"}}, "serviceMonitor": {"enabled": True}})[
+        "tlsConfig"] == {"serverName": f"{PREFIX}-router.{NAMESPACE}.svc"}
+    assert _scrape(VARIANTS["everything"])["tlsConfig"] == {"serverName": "router.example.internal",
+                                                            "insecureSkipVerify": True}
+
+
+def test_service_monitor_sends_a_key_to_protected_metrics():
+    endpoint = _scrape(VARIANTS["protected-metrics"])
+    assert endpoint["authorization"] == {"type": "Bearer", "credentials": {"name": "prometheus-key", "key": "api-key"}}
+    assert "scheme" not in endpoint
+    assert _scrape(VARIANTS["everything"])["authorization"]["credentials"] == {"name": "prometheus-key", "key": "key"}

@@ -29,7 +29,15 @@ def test_pods_run_non_root_read_only_without_capabilities(rendered):
 def test_secret_references_resolve(rendered):
     secrets = {s["metadata"]["name"]: s for s in rendered.all("Secret")}
     values = rendered.values
-    external = {values["redis"]["external"]["existingSecret"], values["router"]["apiKeys"]["existingSecret"]}
+    external = {values["redis"]["external"]["existingSecret"], values["router"]["apiKeys"]["existingSecret"],
+                values["router"]["tls"]["secretName"]}
+    for owner, template, _ in containers(rendered):
+        for v in template["spec"].get("volumes", []):
+            if "secret" in v:  # mounted read-only, and the chart's or the user's
+                name = v["secret"]["secretName"]
+                assert name in secrets or name in external - {""}, f"{owner}: volume Secret {name} is not given"
+                assert all(m.get("readOnly") for c in template["spec"]["containers"]
+                           for m in c.get("volumeMounts", []) if m["name"] == v["name"]), owner
     for owner, _, c in containers(rendered):
         for e in c.get("env", []):
             ref = (e.get("valueFrom") or {}).get("secretKeyRef")

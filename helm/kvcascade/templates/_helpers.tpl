@@ -80,6 +80,30 @@ Checks across values that the schema cannot word clearly; every workload templat
 {{- if and .Values.workers.kuberay.enabled (eq .Values.workers.device "cpu") }}
 {{- fail "workers.kuberay.enabled runs GPU worker groups: it needs workers.device=cuda" }}
 {{- end }}
+{{- $router := .Values.router }}
+{{- if and $router.tls.enabled (not $router.tls.secretName) }}
+{{- fail "router.tls.enabled: name the kubernetes.io/tls Secret (tls.crt, tls.key) in router.tls.secretName" }}
+{{- end }}
+{{- if and $router.limits.rateBurst (not $router.limits.rateLimit) }}
+{{- fail "router.limits.rateBurst is a burst above router.limits.rateLimit: set rateLimit too" }}
+{{- end }}
+{{- if and $router.metrics.protect (not $router.apiKeys.enabled) }}
+{{- fail "router.metrics.protect checks /metrics against the API keys: it needs router.apiKeys.enabled" }}
+{{- end }}
+{{- if and $router.metrics.protect .Values.serviceMonitor.enabled (not $router.metrics.scrapeKeySecret.name) }}
+{{- fail "router.metrics.protect with serviceMonitor.enabled: name the Secret holding Prometheus's API key in router.metrics.scrapeKeySecret.name" }}
+{{- end }}
+{{- if and .Values.serviceMonitor.tls.insecureSkipVerify .Values.serviceMonitor.tls.caSecret.name }}
+{{- fail "serviceMonitor.tls: set caSecret (verify the router's certificate) or insecureSkipVerify, not both" }}
+{{- end }}
+{{- end }}
+
+{{/* Where the router's TLS Secret is mounted: --tls-cert and --tls-key point into it. */}}
+{{- define "kvcascade.routerTlsPath" -}}/etc/kvcascade/tls{{- end }}
+
+{{/* The router Service's in-cluster DNS name: what its certificate should name. */}}
+{{- define "kvcascade.routerHost" -}}
+{{- printf "%s.%s.svc" (include "kvcascade.routerName" .) .Release.Namespace }}
 {{- end }}
 
 {{/*
