@@ -441,6 +441,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.command in ("serve", "router"):
         try:  # the options the fronts take, checked (and the TLS files read) before anything starts
             args.access, args.tls = _access(args), _tls(args)
+            from kvcascade.launch import RouterOptions
+
+            RouterOptions(max_body_bytes=int(args.max_body_mb * 2**20))
         except ValueError as err:
             parser.error(str(err))
     if _needs_local_redis(args):

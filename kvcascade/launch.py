@@ -65,6 +65,11 @@ class RouterOptions:
     http_workers: int = 1
 
     def __post_init__(self) -> None:
+        from contracts.grpc_server import INTERNAL_MESSAGE_BYTES
+
+        if not 0 < self.max_body_bytes <= INTERNAL_MESSAGE_BYTES:  # what the router may pass on to a worker
+            raise ValueError(f"--max-body-mb must be in (0, {INTERNAL_MESSAGE_BYTES / 2**20:g}], got "
+                             f"{self.max_body_bytes / 2**20:g}")
         if self.http_workers < 1:
             raise ValueError(f"http_workers must be >= 1, got {self.http_workers}")
         if self.http_workers > 1 and self.http_port is None:
@@ -210,7 +215,8 @@ async def start_router(opts: RouterOptions, running: Running, *, registry=None, 
     sweeper = asyncio.create_task(router.run_sweeper(), name="index-sweeper")
     running.on_stop(sweeper.cancel)
     limiter = ClientLimiter(opts.access.limits)  # one per process: a client counts once on both fronts
-    server = RouterServer(router, opts.host, opts.port, access=opts.access, limiter=limiter, tls=opts.tls)
+    server = RouterServer(router, opts.host, opts.port, access=opts.access, limiter=limiter, tls=opts.tls,
+                          max_message_bytes=opts.max_body_bytes)
     await server.start()
     running.on_stop(lambda: server.stop(grace_s))
     log.info("router gRPC%s on %s (policy %s)", " (TLS)" if opts.tls else "", server.address, router.policy.name)

@@ -98,8 +98,9 @@ class RouterServer(GrpcServer):
 
     def __init__(self, router: Router, host: str = "127.0.0.1", port: int = 50051, *,
                  access: Access = Access(), limiter: ClientLimiter | None = None, health_poll_s: float = 1.0,
-                 tls: TlsFiles | None = None):
-        """``limiter``: the one the process's HTTP front uses too, so a client is one client on both."""
+                 tls: TlsFiles | None = None, max_message_bytes: int | None = None):
+        """``limiter``: the one the process's HTTP front uses too, so a client is one client on both;
+        ``max_message_bytes``: the largest request (the HTTP front's body limit; None: gRPC's 4 MiB)."""
         super().__init__(RouterServicer(router, access, limiter), router.ready, host, port, health_poll_s=health_poll_s,
-                         tls=tls)
+                         tls=tls, max_message_bytes=max_message_bytes)
         self.router = router

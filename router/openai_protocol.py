@@ -108,7 +108,8 @@ class _Request(BaseModel):
         if self.min_tokens is not None:
             s.min_tokens = self.min_tokens
         for token, bias in (self.logit_bias or {}).items():
-            if not token.isdigit() or int(token) >= 2**31:
+            # ASCII digits only ("²" is a digit to isdigit, not to int), and few of them before int().
+            if not (token.isascii() and token.isdigit() and len(token) <= 10) or int(token) >= 2**31:
                 raise BadRequest("logit_bias", f"logit_bias: keys must be token ids, got {token!r}")
             s.logit_bias[int(token)] = bias
         if logprobs is not None:

@@ -7,6 +7,7 @@ from typing import Any
 
 import grpc
 
+from contracts.grpc_server import INTERNAL_MESSAGE_BYTES
 from protos import kvcascade_pb2_grpc as pb_grpc
 
 # Fail fast on a dead worker: a request should move on to another worker, not wait for a reconnect.
@@ -15,6 +16,8 @@ _CHANNEL_OPTIONS = [
     ("grpc.max_reconnect_backoff_ms", 1000),
     ("grpc.keepalive_time_ms", 10_000),
     ("grpc.keepalive_timeout_ms", 5_000),
+    ("grpc.max_send_message_length", INTERNAL_MESSAGE_BYTES),  # a prompt as large as the fronts take
+    ("grpc.max_receive_message_length", INTERNAL_MESSAGE_BYTES),
 ]
 
 

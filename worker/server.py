@@ -15,7 +15,7 @@ from typing import Any
 
 import grpc
 
-from contracts.grpc_server import SERVICE_NAME, GrpcServer
+from contracts.grpc_server import INTERNAL_MESSAGE_BYTES, SERVICE_NAME, GrpcServer
 from protos import kvcascade_pb2 as pb
 from protos import kvcascade_pb2_grpc as pb_grpc
 from worker.engine.async_engine import AsyncEngine
@@ -164,7 +164,8 @@ class WorkerServer(GrpcServer):
     """A grpc.aio server for one engine; healthy while the engine loop runs."""
 
     def __init__(self, engine: AsyncEngine, host: str = "127.0.0.1", port: int = 50051, *, health_poll_s: float = 1.0):
-        super().__init__(WorkerServicer(engine), engine.is_healthy, host, port, health_poll_s=health_poll_s)
+        super().__init__(WorkerServicer(engine), engine.is_healthy, host, port, health_poll_s=health_poll_s,
+                         max_message_bytes=INTERNAL_MESSAGE_BYTES)
         self.engine = engine
 
 

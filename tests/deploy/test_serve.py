@@ -164,7 +164,8 @@ def test_serve_over_tls_with_keys_and_limits_in_every_http_process(tmp_path):
     from contracts.models import resolve_model
 
     serve = Serve("--model", "dummy:smollm2-mini", "--tokenizer", str(resolve_model("smollm2-135m").path),
-                  "--http-workers", "2", "--tls-cert", str(tmp_path / "tls.crt"), "--tls-key", str(tmp_path / "tls.key"),
+                  "--http-workers", "2", "--tls-cert", str(tmp_path / "tls.crt"),
+                  "--tls-key", str(tmp_path / "tls.key"),
                   "--api-key", key, "--max-concurrent-per-client", "2",
                   scheme="https", verify=trust, headers={"Authorization": f"Bearer {key}"}).wait_ready()
     try:
@@ -201,6 +202,7 @@ def test_serve_over_tls_with_keys_and_limits_in_every_http_process(tmp_path):
     (["--rate-burst", "5"], "burst needs a rate"),
     (["--max-concurrent-per-client", "-1"], "concurrency must be > 0"),
     (["--protect-metrics"], "--protect-metrics needs an API key"),
+    (["--max-body-mb", "65"], "--max-body-mb must be in (0, 64], got 65"),
 ])
 def test_access_flags_that_make_no_sense_are_refused_before_loading(capsys, monkeypatch, flags, message):
     from kvcascade.cli import main

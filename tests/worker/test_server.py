@@ -225,6 +225,25 @@ def test_bad_field_is_invalid_argument_naming_it(served: Served, case: tuple[Any
     assert err.value.details().startswith(f"{path}: "), err.value.details()
 
 
+def test_bytes_that_are_no_request_are_invalid_argument_and_the_server_goes_on(served: Served) -> None:
+    """A message that does not decode is the client's fault (grpc.aio alone would say UNKNOWN); a
+    prompt past gRPC's default 4 MiB is taken (the router passes on what its fronts take)."""
+    for method, request_class in (("Generate", pb.GenerateRequest), ("Stats", pb.StatsRequest)):
+        call = (served.channel.unary_stream if method == "Generate" else served.channel.unary_unary)(
+            f"/{SERVICE_NAME}/{method}", request_serializer=lambda b: b, response_deserializer=lambda b: b)
+        with pytest.raises(grpc.RpcError) as err:
+            out = call(b"\xff" * 20, timeout=30)
+            list(out) if method == "Generate" else out
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, err.value.details()
+        assert err.value.details().startswith(f"the request is not a valid {request_class.DESCRIPTOR.name}")
+    big = pb.GenerateRequest(sampling=pb.SamplingParams(max_tokens=2))
+    big.token_ids.ids[:] = [100] * 1_400_000  # 4.2 MB as a message; longer than the context
+    with pytest.raises(grpc.RpcError) as err:
+        list(served.stub.Generate(big, timeout=60))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, err.value.details()
+    assert _generate(served, text=PROMPT, sampling=pb.SamplingParams(max_tokens=2))[-1].finish_reason
+
+
 def test_full_queue_is_resource_exhausted(served_small_queue: Served) -> None:
     request = pb.GenerateRequest(text=PROMPT, sampling=pb.SamplingParams(max_tokens=16, temperature=0, ignore_eos=True))
     # The blocking client starts each call at once, so all four reach the server together.
