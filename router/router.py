@@ -401,7 +401,8 @@ class Router:
         """The answer from the first worker in ``order`` that takes it. One that fails before its first
         token is skipped; one that fails (UNAVAILABLE) after it hands the stream to the next, which goes
         on from the prompt plus the tokens already sent (``_resumed``), up to ``max_migrations`` times,
-        so the client sees one stream (greedy answers are the same tokens as without the failure)."""
+        so the client sees one stream (greedy and seeded answers are the same tokens as without the
+        failure)."""
         last_error: RouterError | None = None
         sent: list[int] = []  # tokens of this answer streamed so far, over every worker
         text_sent: list[str] = []
@@ -497,11 +498,13 @@ class Router:
     @staticmethod
     def _resumed(request: pb.GenerateRequest, sent: list[int]) -> pb.GenerateRequest:
         """``request`` going on after ``sent``: the prompt plus them as the new prompt, the token
-        budgets less what is spent, no prompt logprobs again."""
+        budgets less what is spent, seeded draws going on from where they were (``seed_offset``:
+        the continuation's first token is the answer's token ``len(sent)``), no prompt logprobs again."""
         out = pb.GenerateRequest()
         out.CopyFrom(request)
         out.token_ids.ids.extend(sent)  # request.token_ids already holds the prompt's ids
         s = out.sampling
+        s.seed_offset += len(sent)
         if s.max_tokens:
             s.max_tokens = max(1, s.max_tokens - len(sent))
         s.min_tokens = max(0, s.min_tokens - len(sent))

@@ -168,6 +168,19 @@ def test_a_worker_dying_mid_stream_hands_the_stream_to_another_that_goes_on(clus
     assert metrics.get_sample_value("kvcascade_stream_migrations_total", {"result": "resumed"}) >= 1
 
 
+def test_a_seeded_sampled_stream_moved_mid_way_goes_on_with_the_same_tokens(cluster):
+    """Sampled with a seed: the continuation draws from where the dead worker was (seed_offset), so
+    the client's stream is the uninterrupted answer token for token."""
+    req = chat(SYSTEM, "Write a very long story about a tent.", max_tokens=120)
+    req.sampling.temperature, req.sampling.seed = 1.0, 1234
+    whole = list(cluster["stub"].Generate(req, timeout=120))
+    msgs, error, killed = _kill_mid_stream(cluster, req)
+    assert error is None, error
+    assert [t for m in msgs for t in m.token_ids] == [t for m in whole for t in m.token_ids]
+    assert "".join(m.text for m in msgs) == "".join(m.text for m in whole)
+    assert msgs[-1].route_reason == "migrated" and msgs[-1].worker_id != killed.worker_id
+
+
 def test_a_worker_killed_under_16_concurrent_streams_none_hangs_or_fails(cluster):
     """16 streams at once over both workers; one worker is killed once every stream has its first
     tokens: every stream finishes whole, those of the killed worker on the other one."""

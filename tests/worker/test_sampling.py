@@ -37,6 +37,31 @@ def test_seeded_sampling_is_reproducible_and_batch_independent(make_engine, prom
     assert other_seed != alone
 
 
+@pytest.mark.parametrize("lookahead", [False, True])
+def test_a_seeded_answer_goes_on_from_its_tokens_with_seed_offset(make_engine, prompt_ids, lookahead):
+    """What the router sends when a stream's worker dies: the prompt plus the tokens so far, with
+    seed_offset; the continuation draws what the whole answer did, whatever shares its batch."""
+    engine = make_engine(async_scheduling=lookahead)
+    prompt, seeded = prompt_ids[1], dict(temperature=1.0, seed=7, ignore_eos=True)
+    whole = run(engine, [prompt], SamplingParams(max_tokens=24, **seeded))[0][0]
+    head = run(engine, [prompt], SamplingParams(max_tokens=10, **seeded))[0][0]
+    assert head == whole[:10]
+    others = SamplingParams(max_tokens=20, temperature=0.8, seed=3, ignore_eos=True)
+    tail = run(engine, [prompt_ids[0], prompt + head, prompt_ids[2]],
+               [others, SamplingParams(max_tokens=14, seed_offset=10, **seeded), others])[1][0]
+    assert head + tail == whole
+    restarted = run(engine, [prompt + head], SamplingParams(max_tokens=14, **seeded))[0][0]
+    assert restarted != tail  # without the offset the draws start over
+
+
+def test_seeded_answers_are_the_same_when_preempted_and_recomputed(make_engine, prompt_ids):
+    params = [SamplingParams(max_tokens=16, temperature=1.0, seed=i, ignore_eos=True) for i in range(len(prompt_ids))]
+    roomy = make_engine().generate(prompt_ids, params)
+    tight = make_engine(num_kv_blocks=20)  # too few for all ten at once (test_correctness)
+    assert tight.generate(prompt_ids, params) == roomy
+    assert tight.scheduler.num_preemptions > 0
+
+
 def test_top_k_1_and_tiny_top_p_are_greedy(make_engine, prompt_ids, hf_reference):
     engine = make_engine()
     n = len(hf_reference[0])
@@ -98,6 +123,8 @@ def test_stop_strings_cut_text_and_never_leak_in_stream(make_engine, prompt_ids)
     ("top_k", SamplingParams(top_k=-1)),
     ("logprobs", SamplingParams(logprobs=99)),
     ("stop", SamplingParams(stop=[""])),
+    ("seed_offset", SamplingParams(seed=1, seed_offset=-1)),
+    ("seed_offset", SamplingParams(seed=1, seed_offset=2**32)),
 ])
 def test_bad_sampling_fields_are_named(smollm2, field, params):
     with pytest.raises(InvalidRequestError) as err:

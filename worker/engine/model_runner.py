@@ -158,7 +158,7 @@ class ModelRunner:
             return PendingTokens(torch.empty(0, dtype=torch.long, device=self.device))
         params = [s.params for s in samplers]
         return PendingTokens(sample_tokens(steer(logits, params, self._hold(samplers)), params,
-                                           [s.generator_on(logits.device) for s in samplers]))
+                                           [s.next_generator(logits.device) for s in samplers]))
 
     @torch.inference_mode()
     def execute(self, inputs: StepInputs, ids: torch.Tensor | None = None
@@ -246,7 +246,7 @@ class ModelRunner:
         results: list[tuple[int, TokenLogprob | None] | None] = [None] * len(batch)
         samplers = [item for item in batch if item.samples]
         tokens, logprobs = sample(logits, [s.seq.params for s in samplers],
-                                  [s.seq.generator_on(logits.device) for s in samplers],
+                                  [s.seq.next_generator(logits.device) for s in samplers],
                                   self._hold([s.seq for s in samplers]))
         it = iter(zip(tokens, logprobs))
         for i, item in enumerate(batch):

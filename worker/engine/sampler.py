@@ -1,8 +1,10 @@
 """Per-request sampling inside one batch: greedy, temperature, top-k, top-p, seeds, logprobs.
 
 Logprobs are those of the model's own distribution (before temperature and cuts), which is what
-a confidence measure wants. A seeded request draws from its own generator, so its tokens do not
-depend on what else shares the batch.
+a confidence measure wants. A seeded request draws from its own generator, seeded afresh for each
+token from (seed, the token's index within the answer): its tokens depend neither on what else
+shares the batch nor on what ran before in this process, so a continuation elsewhere
+(``seed_offset``) or after a preemption draws what the uninterrupted request would have.
 """
 
 from __future__ import annotations
@@ -12,6 +14,18 @@ import torch
 from worker.engine.outputs import TokenLogprob
 from worker.engine.sampling_params import SamplingParams
 from worker.models.transfer import to_device
+
+_MASK64 = 2**64 - 1
+
+
+def draw_seed(seed: int, index: int) -> int:
+    """The seed of a seeded request's draw for the token at ``index`` within its answer: output
+    ``index`` of SplitMix64 started at ``seed``. Well mixed, so the samples of one request (seeds
+    seed, seed + 1, ...: n > 1) draw unrelated numbers at every index, not shifted copies."""
+    z = (seed + (index + 1) * 0x9E3779B97F4A7C15) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return z ^ (z >> 31)
 
 
 def sample_tokens(logits: torch.Tensor, params: list[SamplingParams],

@@ -13,6 +13,7 @@ MAX_TOP_LOGPROBS = 20
 MAX_STOP_STRINGS = 64
 MAX_STOP_CHARS = 512
 MAX_STOP_TOKEN_IDS = 1024
+MAX_SEED_OFFSET = 2**32 - 1  # the proto's uint32
 
 
 @dataclass
@@ -22,6 +23,10 @@ class SamplingParams:
     top_p: float = 1.0  # in (0, 1]
     top_k: int = 0  # 0 means no top-k cut
     seed: int | None = None  # a seed makes a sampled answer reproducible
+    # Index within the answer of the first token this request generates: a seeded token's draw
+    # depends on (seed, its index), so a continuation of an answer (the router moving a stream,
+    # prompt + tokens so far) sets the count of tokens so far and draws what the answer would have.
+    seed_offset: int = 0
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
@@ -48,6 +53,9 @@ class SamplingParams:
             raise InvalidRequestError("top_p", f"must be in (0, 1], got {self.top_p!r}")
         if self.top_k < 0:
             raise InvalidRequestError("top_k", f"must be >= 0 (0 disables it), got {self.top_k!r}")
+        if not isinstance(self.seed_offset, int) or not 0 <= self.seed_offset <= MAX_SEED_OFFSET:
+            raise InvalidRequestError("seed_offset", f"must be an integer in [0, {MAX_SEED_OFFSET}], "
+                                                     f"got {self.seed_offset!r}")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
             raise InvalidRequestError("logprobs", f"must be in [0, {MAX_TOP_LOGPROBS}], got {self.logprobs!r}")
         if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= MAX_TOP_LOGPROBS:

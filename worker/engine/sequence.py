@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 import torch
 
 from worker.engine.outputs import TokenLogprob
+from worker.engine.sampler import draw_seed
 from worker.engine.sampling_params import SamplingParams
 
 
@@ -41,7 +42,7 @@ class Sequence:
     finish_reason: str | None = None
     error: str | None = None
     num_preemptions: int = 0
-    generator: torch.Generator | None = None  # per-request RNG when a seed is given (generator_on)
+    generator: torch.Generator | None = None  # per-request RNG when a seed is given (next_generator)
     # Detokenization and streaming state (see detokenizer.py)
     output_text: str = ""
     emitted_text_len: int = 0
@@ -58,13 +59,17 @@ class Sequence:
         if not self.token_ids:
             self.token_ids = list(self.prompt_token_ids)
 
-    def generator_on(self, device: torch.device) -> torch.Generator | None:
-        """A seeded request's own RNG, on the device that samples it (made at its first draw)."""
+    def next_generator(self, device: torch.device) -> torch.Generator | None:
+        """A seeded request's own RNG (made at its first draw, on the device that samples it), seeded
+        for the token it draws next from (seed, that token's index within the answer: those before
+        this request, ``seed_offset``, plus its own, pending ones included). Re-seeding a generator
+        is a host-side write (about a microsecond); a launched draw has taken its state already."""
         if self.params.seed is None:
             return None
         if self.generator is None:
-            self.generator = torch.Generator(device=device).manual_seed(self.params.seed)
-        return self.generator
+            self.generator = torch.Generator(device=device)
+        index = self.params.seed_offset + self.num_output_tokens + self.num_pending_tokens
+        return self.generator.manual_seed(draw_seed(self.params.seed, index))
 
     @property
     def prompt_logprobs_next(self) -> int:
