@@ -11,13 +11,16 @@ The registry is read at most every ``registry_max_age_s`` (0.1 s): requests shar
 and one older than that is used as it is while a background read replaces it, so no request waits
 on the registry unless the last read is over ``registry_stale_s`` (1 s, a worker's heartbeat
 period) old, or names a model the snapshot does not have yet. Heartbeats are a second apart, so
-the load a snapshot carries is as fresh as a read's; a worker that fails is taken out at once.
+the load a snapshot carries is as fresh as a read's; a worker that fails is taken out at once,
+and one that only drops out of the registry (Redis restarted empty) is kept while its last
+heartbeat is recent (``registry_grace_s``), until it registers again.
 
 With a cascade file (router/cascade.py), a request for the cascade runs through its tiers, each
 tier's answer coming from this same path (``_answer``) for that tier's model.
 
 A worker that fails before its first token is skipped for the next one in the policy's order;
-one that fails after it ends the stream with UNAVAILABLE (tokens already sent cannot be replayed).
+one that fails after it hands the stream to another, which goes on from the tokens already sent
+(``_stream``).
 When Redis is unreachable the router keeps serving with load-only routing on the last workers
 it knew, flags it in metrics and logs, and recovers on its own once Redis answers again.
 """
@@ -28,6 +31,7 @@ import asyncio
 import contextlib
 import logging
 import time
+import weakref
 from collections import defaultdict
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -63,6 +67,10 @@ class RouterConfig:
     tokenizer: str | None = None  # --tokenizer: one tokenizer for every model instead of each worker's
     registry_max_age_s: float = 0.1  # a registry read this recent serves requests as it is
     registry_stale_s: float = 1.0  # one older than this is read again before a request uses it
+    # A worker that drops out of the registry while it heartbeat this recently is kept: Redis
+    # restarted empty (or failed over) and the worker re-registers at its next heartbeat. Below the
+    # workers' heartbeat TTL (5 s), so a dead worker is never kept past its registration's expiry.
+    registry_grace_s: float = 3.0
 
 
 class Tokenizers:
@@ -154,6 +162,8 @@ class Router:
         self.prompt_tokens_total = 0  # over finished requests, for Stats
         self.cached_tokens_total = 0
         self._last_workers: list[WorkerInfo] = []  # the registry's last answer, less workers marked down
+        self._kept: set[str] = set()  # workers in _last_workers only by registry_grace_s
+        self._max_token_chars: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # tokenizer -> longest token
         self._read_at = -float("inf")  # when it was read (time.monotonic())
         self._reading: asyncio.Future[None] | None = None  # the read under way, shared by its callers
         self._state_ok = True
@@ -207,12 +217,24 @@ class Router:
         finally:
             self._reading = None
         self._state_answered()
-        self._last_workers, self._read_at = workers, time.monotonic()
+        self._last_workers, self._read_at = self._with_recent(workers), time.monotonic()
         self.metrics.workers_live.set(len(workers))
         for w in workers:
             self.metrics.worker_running.labels(w.worker_id).set(w.load.running)
             self.metrics.worker_waiting.labels(w.worker_id).set(w.load.waiting)
             self.metrics.worker_kv_free.labels(w.worker_id).set(w.load.kv_blocks_free)
+
+    def _with_recent(self, workers: list[WorkerInfo]) -> list[WorkerInfo]:
+        """``workers`` plus those of the last read that are missing from it but heartbeat within
+        ``registry_grace_s`` (by their own clock: the registry's last_seen)."""
+        listed = {w.worker_id for w in workers}
+        since = time.time() - self.config.registry_grace_s
+        kept = [w for w in self._last_workers if w.worker_id not in listed and w.last_seen >= since]
+        if (ids := {w.worker_id for w in kept}) - self._kept:
+            log.info("workers %s are missing from the registry but heartbeat %.0f s ago or less: kept until "
+                     "they register again", sorted(ids), self.config.registry_grace_s)
+        self._kept = ids
+        return workers + kept
 
     async def _workers_of(self, model: str | None) -> list[WorkerInfo]:
         """The live workers, read again when none of them serves ``model`` (one just registered)."""
@@ -320,8 +342,7 @@ class Router:
         pool = [w for w in workers if w.model == model]
         if not pool:
             raise RouterError(grpc.StatusCode.INVALID_ARGUMENT, f"model: unknown model {model!r}; served: {served}")
-        tokenizer = await self.tokenizers.of(pool[0])
-        ids = await tokenize_async(tokenizer, request, self._requests - 1)
+        ids = await self._tokenize(await self.tokenizers.of(pool[0]), request, pool)
         block_size = pool[0].block_size
         cached: dict[str, int] = {}
         if self._state_ok or not self._last_workers:
@@ -335,17 +356,39 @@ class Router:
                       for w in pool]
         return ids, self.policy.order(candidates, len(ids))
 
-    async def _tokenizer_of(self, model: str):
+    async def _tokenize(self, tokenizer, request: pb.GenerateRequest, pool: list[WorkerInfo]) -> list[int]:
+        """The prompt's token ids, or INVALID_ARGUMENT without tokenizing when its characters alone
+        show it is longer than the context: a 15 MiB text would otherwise cost seconds of CPU and
+        gigabytes of memory before the worker refused it."""
+        context = min((w.max_model_len for w in pool if w.max_model_len), default=0)
+        kind = request.WhichOneof("prompt")
+        chars = (len(request.text) if kind == "text" else
+                 sum(len(m.content) for m in request.messages.messages) if kind == "messages" else 0)
+        if context and chars > context:  # else it cannot be the case; the worker checks the rest
+            per_token = self._max_token_chars.get(tokenizer)
+            if per_token is None:
+                per_token = self._max_token_chars[tokenizer] = max(map(len, tokenizer.get_vocab()), default=1)
+            if (least := -(-chars // per_token)) > context:
+                raise RouterError(grpc.StatusCode.INVALID_ARGUMENT,
+                                  f"prompt: {chars:,} characters are at least {least:,} tokens (a token spells at "
+                                  f"most {per_token} here), over the context of {context:,} tokens")
+        return await tokenize_async(tokenizer, request, self._requests - 1)
+
+    async def _pool_of(self, model: str) -> list[WorkerInfo]:
         pool = [w for w in await self._workers_of(model) if w.model == model]
         if not pool:
             raise RouterError(grpc.StatusCode.UNAVAILABLE, f"no live worker serves {model!r}")
-        return await self.tokenizers.of(pool[0])
+        return pool
+
+    async def _tokenizer_of(self, model: str):
+        return await self.tokenizers.of((await self._pool_of(model))[0])
 
     async def prompt_ids(self, request: pb.GenerateRequest, model: str, draft_model: str | None = None) -> list[int]:
         """The request's prompt token ids as ``model``'s workers get them; with ``draft_model`` (a
         cascade's judge), refused unless its tokenizer has the same vocabulary, since the draft's
         token ids then go to ``model`` as they are."""
-        tokenizer = await self._tokenizer_of(model)
+        pool = await self._pool_of(model)
+        tokenizer = await self.tokenizers.of(pool[0])
         if draft_model is not None and draft_model != model:
             other = await self._tokenizer_of(draft_model)
             key = (id(tokenizer), id(other))
@@ -355,7 +398,7 @@ class Router:
                 raise RouterError(grpc.StatusCode.FAILED_PRECONDITION,
                                   f"cascade judge: {model!r} and {draft_model!r} have different vocabularies; "
                                   "a tier can only judge drafts of its own model family")
-        return await tokenize_async(tokenizer, request, self._requests - 1)
+        return await self._tokenize(tokenizer, request, pool)
 
     async def generate(self, request: pb.GenerateRequest, timeout: float | None = None
                        ) -> AsyncIterator[pb.GenerateResponse]:
