@@ -163,6 +163,7 @@ class Router:
         self.cached_tokens_total = 0
         self._last_workers: list[WorkerInfo] = []  # the registry's last answer, less workers marked down
         self._kept: set[str] = set()  # workers in _last_workers only by registry_grace_s
+        self._answered_again_at = float("-inf")  # when the registry last answered after failing
         self._max_token_chars: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # tokenizer -> longest token
         self._read_at = -float("inf")  # when it was read (time.monotonic())
         self._reading: asyncio.Future[None] | None = None  # the read under way, shared by its callers
@@ -190,6 +191,7 @@ class Router:
     def _state_answered(self) -> None:
         if not self._state_ok:
             log.info("registry and prefix index answer again; prefix-aware routing resumes")
+            self._answered_again_at = time.monotonic()  # a Redis back from an outage may be empty
         self._state_ok = True
         self.metrics.state_up.set(1)
 
@@ -226,9 +228,12 @@ class Router:
 
     def _with_recent(self, workers: list[WorkerInfo]) -> list[WorkerInfo]:
         """``workers`` plus those of the last read that are missing from it but heartbeat within
-        ``registry_grace_s`` (by their own clock: the registry's last_seen)."""
+        ``registry_grace_s`` (by their own clock: the registry's last_seen), or all of those for
+        ``registry_grace_s`` after the registry answers again from an outage (the workers could
+        not heartbeat into it meanwhile, and re-register at their next heartbeat)."""
         listed = {w.worker_id for w in workers}
-        since = time.time() - self.config.registry_grace_s
+        grace = self.config.registry_grace_s
+        since = time.time() - grace if time.monotonic() - self._answered_again_at > grace else float("-inf")
         kept = [w for w in self._last_workers if w.worker_id not in listed and w.last_seen >= since]
         if (ids := {w.worker_id for w in kept}) - self._kept:
             log.info("workers %s are missing from the registry but heartbeat %.0f s ago or less: kept until "
