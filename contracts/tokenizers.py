@@ -40,12 +40,13 @@ def tokenize_inline(prompt: str | None, messages: list[dict] | None, in_flight: 
 
 
 async def tokenize_prompt(tokenize: Callable[..., list[int]], prompt: str | None, messages: list[dict] | None,
-                          in_flight: int) -> list[int]:
-    """``tokenize(prompt=..., messages=...)`` on this event loop, or in a thread when the prompt is
-    long or the process busy (``tokenize_inline``)."""
+                          in_flight: int, tools: list[dict] | None = None) -> list[int]:
+    """``tokenize(prompt=..., messages=..., tools=...)`` on this event loop, or in a thread when the
+    prompt is long or the process busy (``tokenize_inline``)."""
+    kwargs = {"tools": tools} if tools else {}  # only when given: callers' tokenize may not take it
     if tokenize_inline(prompt, messages, in_flight):
-        return tokenize(prompt=prompt, messages=messages)
-    return await asyncio.to_thread(tokenize, prompt=prompt, messages=messages)
+        return tokenize(prompt=prompt, messages=messages, **kwargs)
+    return await asyncio.to_thread(tokenize, prompt=prompt, messages=messages, **kwargs)
 
 
 def load_tokenizer(src: ModelSource, tokenizer: str | None = None):

@@ -68,6 +68,9 @@ _ENGINE_FLAGS = (
     _EngineFlag("--kv-cache-memory", "kv_cache_bytes", parse_bytes, "KV-cache size, e.g. 512MiB or 2GiB"),
     _EngineFlag("--max-queued-requests", "max_queued_requests", int, "requests in flight before new ones are refused"),
     _EngineFlag("--seed", "seed", int, "seed of dummy (random) weights"),
+    _EngineFlag("--generation-config", "generation_config", str,
+                "sampling defaults for fields a request leaves unset: auto (the model's generation_config.json, "
+                "or its --tokenizer folder's), vllm (the engine's: temperature 1, top_p 1, no top-k) or a folder"),
     _EngineFlag("--tp", "tensor_parallel_size", int,
                 "tensor parallel size: ranks (GPUs of this node with --device cuda, else CPU processes) the "
                 "model is split over; --kv-cache-memory is then per rank"),

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x0fkvcascade.proto\x12\x0ckvcascade.v1\"\x91\x02\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x0e\n\x04text\x18\x03 \x01(\tH\x00\x12+\n\ttoken_ids\x18\x04 \x01(\x0b\x32\x16.kvcascade.v1.TokenIdsH\x00\x12.\n\x08messages\x18\x05 \x01(\x0b\x32\x1a.kvcascade.v1.ChatMessagesH\x00\x12.\n\x08sampling\x18\x06 \x01(\x0b\x32\x1c.kvcascade.v1.SamplingParams\x12&\n\x07\x63\x61scade\x18\x07 \x01(\x0e\x32\x15.kvcascade.v1.Cascade\x12\x0c\n\x04tier\x18\x08 \x01(\tB\x08\n\x06prompt\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\";\n\x0c\x43hatMessages\x12+\n\x08messages\x18\x01 \x03(\x0b\x32\x19.kvcascade.v1.ChatMessage\"\xf6\x03\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\x05H\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\r\n\x05top_k\x18\x04 \x01(\x05\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x03\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\x05\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x12\x15\n\x08logprobs\x18\t \x01(\x05H\x04\x88\x01\x01\x12\x1c\n\x0fprompt_logprobs\x18\n \x01(\x05H\x05\x88\x01\x01\x12\x1d\n\x15prompt_logprobs_start\x18\x0b \x01(\x05\x12\x12\n\nmin_tokens\x18\x0c \x01(\x05\x12?\n\nlogit_bias\x18\r \x03(\x0b\x32+.kvcascade.v1.SamplingParams.LogitBiasEntry\x12\x13\n\x0bseed_offset\x18\x0e \x01(\r\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x07\n\x05_seedB\x0b\n\t_logprobsB\x12\n\x10_prompt_logprobs\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"X\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12%\n\x03top\x18\x03 \x03(\x0b\x32\x18.kvcascade.v1.TopLogprob\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x15\n\rcached_tokens\x18\x02 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x03 \x01(\x05\"\xb9\x03\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x0c\n\x04text\x18\x03 \x01(\t\x12,\n\x08logprobs\x18\x04 \x03(\x0b\x32\x1a.kvcascade.v1.TokenLogprob\x12\x15\n\rfinish_reason\x18\x05 \x01(\t\x12\"\n\x05usage\x18\x06 \x01(\x0b\x32\x13.kvcascade.v1.Usage\x12\x0e\n\x06ttft_s\x18\x07 \x01(\x01\x12\r\n\x05\x65rror\x18\x08 \x01(\t\x12\x11\n\tworker_id\x18\t \x01(\t\x12\x14\n\x0croute_reason\x18\n \x01(\t\x12\x0c\n\x04tier\x18\x0b \x01(\t\x12\x12\n\nconfidence\x18\x0c \x01(\x01\x12\x11\n\tescalated\x18\r \x01(\x08\x12\x33\n\x0fprompt_logprobs\x18\x0e \x03(\x0b\x32\x1a.kvcascade.v1.TokenLogprob\x12+\n\ntier_usage\x18\x0f \x03(\x0b\x32\x17.kvcascade.v1.TierUsage\x12\x18\n\x0bjudge_score\x18\x10 \x01(\x01H\x00\x88\x01\x01\x42\x0e\n\x0c_judge_score\"\x7f\n\tTierUsage\x12\x0c\n\x04tier\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x0c\n\x04role\x18\x03 \x01(\t\x12\x15\n\rprompt_tokens\x18\x04 \x01(\x05\x12\x15\n\rcached_tokens\x18\x05 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x06 \x01(\x05\"\x0e\n\x0cStatsRequest\"\xe3\x01\n\rStatsResponse\x12\x0f\n\x07running\x18\x01 \x01(\x05\x12\x0f\n\x07waiting\x18\x02 \x01(\x05\x12\x17\n\x0fkv_blocks_total\x18\x03 \x01(\x05\x12\x16\n\x0ekv_blocks_used\x18\x04 \x01(\x05\x12\x16\n\x0ekv_blocks_free\x18\x05 \x01(\x05\x12\x17\n\x0fprefix_hit_rate\x18\x06 \x01(\x01\x12\x16\n\x0eprefix_queries\x18\x07 \x01(\x03\x12\x13\n\x0bprefix_hits\x18\x08 \x01(\x03\x12\x12\n\nblock_size\x18\t \x01(\x05\x12\r\n\x05model\x18\n \x01(\t*/\n\x07\x43\x61scade\x12\x13\n\x0f\x43\x41SCADE_DEFAULT\x10\x00\x12\x0f\n\x0b\x43\x41SCADE_OFF\x10\x01\x32\x9a\x01\n\tKVCascade\x12K\n\x08Generate\x12\x1d.kvcascade.v1.GenerateRequest\x1a\x1e.kvcascade.v1.GenerateResponse0\x01\x12@\n\x05Stats\x12\x1a.kvcascade.v1.StatsRequest\x1a\x1b.kvcascade.v1.StatsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x0fkvcascade.proto\x12\x0ckvcascade.v1\"\x91\x02\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x0e\n\x04text\x18\x03 \x01(\tH\x00\x12+\n\ttoken_ids\x18\x04 \x01(\x0b\x32\x16.kvcascade.v1.TokenIdsH\x00\x12.\n\x08messages\x18\x05 \x01(\x0b\x32\x1a.kvcascade.v1.ChatMessagesH\x00\x12.\n\x08sampling\x18\x06 \x01(\x0b\x32\x1c.kvcascade.v1.SamplingParams\x12&\n\x07\x63\x61scade\x18\x07 \x01(\x0e\x32\x15.kvcascade.v1.Cascade\x12\x0c\n\x04tier\x18\x08 \x01(\tB\x08\n\x06prompt\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"n\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12*\n\ntool_calls\x18\x03 \x03(\x0b\x32\x16.kvcascade.v1.ToolCall\x12\x14\n\x0ctool_call_id\x18\x04 \x01(\t\"7\n\x08ToolCall\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x11\n\targuments\x18\x03 \x01(\t\"O\n\x0c\x43hatMessages\x12+\n\x08messages\x18\x01 \x03(\x0b\x32\x19.kvcascade.v1.ChatMessage\x12\x12\n\ntools_json\x18\x02 \x01(\t\"\xc0\x04\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\x05H\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\x05H\x03\x88\x01\x01\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x04\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\x05\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x12\x15\n\x08logprobs\x18\t \x01(\x05H\x05\x88\x01\x01\x12\x1c\n\x0fprompt_logprobs\x18\n \x01(\x05H\x06\x88\x01\x01\x12\x1d\n\x15prompt_logprobs_start\x18\x0b \x01(\x05\x12\x12\n\nmin_tokens\x18\x0c \x01(\x05\x12?\n\nlogit_bias\x18\r \x03(\x0b\x32+.kvcascade.v1.SamplingParams.LogitBiasEntry\x12\x13\n\x0bseed_offset\x18\x0e \x01(\r\x12\x39\n\x11structured_output\x18\x0f \x01(\x0b\x32\x1e.kvcascade.v1.StructuredOutput\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seedB\x0b\n\t_logprobsB\x12\n\x10_prompt_logprobs\"\x98\x01\n\x10StructuredOutput\x12\x15\n\x0bjson_schema\x18\x01 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x02 \x01(\x08H\x00\x12\x0f\n\x05regex\x18\x03 \x01(\tH\x00\x12*\n\x06\x63hoice\x18\x04 \x01(\x0b\x32\x18.kvcascade.v1.ChoiceListH\x00\x12\x11\n\x07grammar\x18\x05 \x01(\tH\x00\x42\x06\n\x04kind\"\x1d\n\nChoiceList\x12\x0f\n\x07\x63hoices\x18\x01 \x03(\t\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"X\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12%\n\x03top\x18\x03 \x03(\x0b\x32\x18.kvcascade.v1.TopLogprob\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x15\n\rcached_tokens\x18\x02 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x03 \x01(\x05\"\xd0\x03\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x0c\n\x04text\x18\x03 \x01(\t\x12,\n\x08logprobs\x18\x04 \x03(\x0b\x32\x1a.kvcascade.v1.TokenLogprob\x12\x15\n\rfinish_reason\x18\x05 \x01(\t\x12\"\n\x05usage\x18\x06 \x01(\x0b\x32\x13.kvcascade.v1.Usage\x12\x0e\n\x06ttft_s\x18\x07 \x01(\x01\x12\r\n\x05\x65rror\x18\x08 \x01(\t\x12\x11\n\tworker_id\x18\t \x01(\t\x12\x14\n\x0croute_reason\x18\n \x01(\t\x12\x0c\n\x04tier\x18\x0b \x01(\t\x12\x12\n\nconfidence\x18\x0c \x01(\x01\x12\x11\n\tescalated\x18\r \x01(\x08\x12\x33\n\x0fprompt_logprobs\x18\x0e \x03(\x0b\x32\x1a.kvcascade.v1.TokenLogprob\x12+\n\ntier_usage\x18\x0f \x03(\x0b\x32\x17.kvcascade.v1.TierUsage\x12\x18\n\x0bjudge_score\x18\x10 \x01(\x01H\x00\x88\x01\x01\x12\x15\n\rprompt_tokens\x18\x11 \x01(\x05\x42\x0e\n\x0c_judge_score\"\x7f\n\tTierUsage\x12\x0c\n\x04tier\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x0c\n\x04role\x18\x03 \x01(\t\x12\x15\n\rprompt_tokens\x18\x04 \x01(\x05\x12\x15\n\rcached_tokens\x18\x05 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x06 \x01(\x05\"\x0e\n\x0cStatsRequest\"\xe3\x01\n\rStatsResponse\x12\x0f\n\x07running\x18\x01 \x01(\x05\x12\x0f\n\x07waiting\x18\x02 \x01(\x05\x12\x17\n\x0fkv_blocks_total\x18\x03 \x01(\x05\x12\x16\n\x0ekv_blocks_used\x18\x04 \x01(\x05\x12\x16\n\x0ekv_blocks_free\x18\x05 \x01(\x05\x12\x17\n\x0fprefix_hit_rate\x18\x06 \x01(\x01\x12\x16\n\x0eprefix_queries\x18\x07 \x01(\x03\x12\x13\n\x0bprefix_hits\x18\x08 \x01(\x03\x12\x12\n\nblock_size\x18\t \x01(\x05\x12\r\n\x05model\x18\n \x01(\t*/\n\x07\x43\x61scade\x12\x13\n\x0f\x43\x41SCADE_DEFAULT\x10\x00\x12\x0f\n\x0b\x43\x41SCADE_OFF\x10\x01\x32\x9a\x01\n\tKVCascade\x12K\n\x08Generate\x12\x1d.kvcascade.v1.GenerateRequest\x1a\x1e.kvcascade.v1.GenerateResponse0\x01\x12@\n\x05Stats\x12\x1a.kvcascade.v1.StatsRequest\x1a\x1b.kvcascade.v1.StatsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,34 +33,40 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
-  _globals['_CASCADE']._serialized_start=1986
-  _globals['_CASCADE']._serialized_end=2033
+  _globals['_CASCADE']._serialized_start=2412
+  _globals['_CASCADE']._serialized_end=2459
   _globals['_GENERATEREQUEST']._serialized_start=34
   _globals['_GENERATEREQUEST']._serialized_end=307
   _globals['_TOKENIDS']._serialized_start=309
   _globals['_TOKENIDS']._serialized_end=332
   _globals['_CHATMESSAGE']._serialized_start=334
-  _globals['_CHATMESSAGE']._serialized_end=378
-  _globals['_CHATMESSAGES']._serialized_start=380
-  _globals['_CHATMESSAGES']._serialized_end=439
-  _globals['_SAMPLINGPARAMS']._serialized_start=442
-  _globals['_SAMPLINGPARAMS']._serialized_end=944
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=813
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=861
-  _globals['_TOPLOGPROB']._serialized_start=946
-  _globals['_TOPLOGPROB']._serialized_end=993
-  _globals['_TOKENLOGPROB']._serialized_start=995
-  _globals['_TOKENLOGPROB']._serialized_end=1083
-  _globals['_USAGE']._serialized_start=1085
-  _globals['_USAGE']._serialized_end=1165
-  _globals['_GENERATERESPONSE']._serialized_start=1168
-  _globals['_GENERATERESPONSE']._serialized_end=1609
-  _globals['_TIERUSAGE']._serialized_start=1611
-  _globals['_TIERUSAGE']._serialized_end=1738
-  _globals['_STATSREQUEST']._serialized_start=1740
-  _globals['_STATSREQUEST']._serialized_end=1754
-  _globals['_STATSRESPONSE']._serialized_start=1757
-  _globals['_STATSRESPONSE']._serialized_end=1984
-  _globals['_KVCASCADE']._serialized_start=2036
-  _globals['_KVCASCADE']._serialized_end=2190
+  _globals['_CHATMESSAGE']._serialized_end=444
+  _globals['_TOOLCALL']._serialized_start=446
+  _globals['_TOOLCALL']._serialized_end=501
+  _globals['_CHATMESSAGES']._serialized_start=503
+  _globals['_CHATMESSAGES']._serialized_end=582
+  _globals['_SAMPLINGPARAMS']._serialized_start=585
+  _globals['_SAMPLINGPARAMS']._serialized_end=1161
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=1020
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=1068
+  _globals['_STRUCTUREDOUTPUT']._serialized_start=1164
+  _globals['_STRUCTUREDOUTPUT']._serialized_end=1316
+  _globals['_CHOICELIST']._serialized_start=1318
+  _globals['_CHOICELIST']._serialized_end=1347
+  _globals['_TOPLOGPROB']._serialized_start=1349
+  _globals['_TOPLOGPROB']._serialized_end=1396
+  _globals['_TOKENLOGPROB']._serialized_start=1398
+  _globals['_TOKENLOGPROB']._serialized_end=1486
+  _globals['_USAGE']._serialized_start=1488
+  _globals['_USAGE']._serialized_end=1568
+  _globals['_GENERATERESPONSE']._serialized_start=1571
+  _globals['_GENERATERESPONSE']._serialized_end=2035
+  _globals['_TIERUSAGE']._serialized_start=2037
+  _globals['_TIERUSAGE']._serialized_end=2164
+  _globals['_STATSREQUEST']._serialized_start=2166
+  _globals['_STATSREQUEST']._serialized_end=2180
+  _globals['_STATSRESPONSE']._serialized_start=2183
+  _globals['_STATSRESPONSE']._serialized_end=2410
+  _globals['_KVCASCADE']._serialized_start=2462
+  _globals['_KVCASCADE']._serialized_end=2616
 # @@protoc_insertion_point(module_scope)

@@ -1,4 +1,5 @@
-"""The one error type the router's core raises; each front end maps its code onto its protocol."""
+"""The one error type the router's core raises, each front end mapping its code onto its protocol;
+and the HTTP front's own refusal of a body it reads (``BadRequest``)."""
 
 from __future__ import annotations
 
@@ -13,4 +14,13 @@ class RouterError(Exception):
     def __init__(self, code: grpc.StatusCode, message: str):
         super().__init__(f"{code.name}: {message}")
         self.code = code
+        self.message = message
+
+
+class BadRequest(Exception):
+    """A request the HTTP front refuses itself: HTTP 400 naming the OpenAI field in ``param``."""
+
+    def __init__(self, param: str | None, message: str):
+        super().__init__(message)
+        self.param = param
         self.message = message

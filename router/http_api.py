@@ -206,7 +206,7 @@ async def _events(answer: Answer, first: tuple[int, pb.GenerateResponse],
     out in one write (the role chunks with the first text, the last text with the usage chunk and
     [DONE]). ``rest`` ends when every choice has finished."""
     async with contextlib.aclosing(rest):
-        ready = [_event(opening) for opening in answer.first_chunks()]
+        ready = [_event(opening) for opening in answer.first_chunks(first)]
         lasts: dict[int, pb.GenerateResponse] = {}
         item: tuple[int, pb.GenerateResponse] | None = first
         try:
@@ -444,6 +444,7 @@ def create_app(router: Router, *, access: Access = Access(), limiter: ClientLimi
         return {"status": "ok"}
 
     @app.get("/readyz")
+    @app.get("/health")  # vLLM's and SGLang's name for it, which clients (guidellm) check first
     async def readyz() -> JSONResponse:
         if await router.ready():
             return _JSONResponse({"status": "ready"})

@@ -22,6 +22,9 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from protos import kvcascade_pb2 as pb
+from router.errors import BadRequest
+from router.openai_structured import StructuredOutputError, StructuredOutputFields
+from router.openai_tools import AssistantToolCall, Tool, ToolCalling, ToolDeltas, ToolFields, template_tools
 
 MAX_CHOICES = 128  # n, best_of, and prompts x best_of: answers one request may ask for
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's documented default for /v1/completions
@@ -31,25 +34,18 @@ Int32 = Annotated[int, Field(ge=-(2**31), le=2**31 - 1)]
 TokenId = Annotated[int, Field(ge=0, le=2**31 - 1)]
 
 
-class BadRequest(Exception):
-    """A request the front end refuses itself: HTTP 400 naming the OpenAI field in ``param``."""
-
-    def __init__(self, param: str | None, message: str):
-        super().__init__(message)
-        self.param = param
-        self.message = message
-
-
 # --- request bodies ---------------------------------------------------------------------------
 
 
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True)
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's: every chunk carries the usage so far
 
 
-class _Request(BaseModel):
-    """Fields both endpoints share. Unknown fields are ignored, as OpenAI-compatible servers do."""
+class _Request(StructuredOutputFields):
+    """Fields both endpoints share (structured output's: openai_structured.py). Unknown fields are
+    ignored, as OpenAI-compatible servers do."""
 
     model_config = ConfigDict(extra="ignore", strict=True)
 
@@ -114,6 +110,12 @@ class _Request(BaseModel):
             s.logit_bias[int(token)] = bias
         if logprobs is not None:
             s.logprobs = logprobs
+        try:
+            structured = self.structured_output()[0]
+        except StructuredOutputError as exc:
+            raise BadRequest(exc.param, exc.message) from None
+        if structured is not None:
+            s.structured_output.CopyFrom(structured)
         return s
 
 
@@ -151,9 +153,11 @@ class CompletionRequest(_Request):
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True)
 
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str
     name: str | None = None  # accepted and ignored
+    tool_calls: list[AssistantToolCall] | None = None  # an assistant turn's calls (openai_tools.py)
+    tool_call_id: str | None = None  # a tool turn: the call whose result it is
 
     @field_validator("content", mode="before")
     @classmethod
@@ -170,7 +174,7 @@ class ChatMessage(BaseModel):
         return "\n".join(texts)
 
 
-class ChatRequest(_Request):
+class ChatRequest(_Request, ToolFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: Int32 | None = None
     max_completion_tokens: Int32 | None = None
@@ -186,6 +190,7 @@ class TokenizeRequest(BaseModel):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
+    tools: list[Tool] | None = None  # rendered with the messages, as the chat endpoint does
 
     def generate_request(self) -> pb.GenerateRequest:
         if (self.prompt is None) == (self.messages is None):
@@ -194,6 +199,8 @@ class TokenizeRequest(BaseModel):
         if self.prompt is not None:
             request.text = self.prompt
         _add_messages(request, self.messages or ())
+        if self.tools and self.messages is not None:
+            request.messages.tools_json = template_tools(self.tools)
         return request
 
 
@@ -215,6 +222,7 @@ class Call:
     requests: list[pb.GenerateRequest]
     stream: bool
     include_usage: bool
+    continuous_usage: bool = False  # every chunk's usage is the usage so far (else null but the last's)
     # Engine field names (max_tokens, logprobs, prompt, ...) -> the OpenAI field the client set.
     aliases: dict[str, str] = field(default_factory=dict)
     id: str = ""
@@ -224,6 +232,7 @@ class Call:
     echo: bool = False
     logprobs: int | None = None  # what the client asked for (best_of > n asks the workers for 0 at least)
     timeout: float | None = None  # seconds, the deadline of every sample's request
+    tools: ToolCalling | None = None  # chat with tools: how answers are read for calls (None: as text)
 
     @property
     def request(self) -> pb.GenerateRequest:
@@ -276,9 +285,10 @@ def completion_call(body: CompletionRequest) -> Call:
         else:
             request.token_ids.ids[:] = prompt
         requests.append(request)
-    aliases = {"text": "prompt", "token_ids": "prompt", "prompt_token_ids": "prompt"}
-    return Call("completion", _samples(requests, best_of, body.seed), body.stream, _include_usage(body), aliases,
-                rid, n=n, best_of=best_of, echo=body.echo, logprobs=body.logprobs, timeout=body.timeout)
+    aliases = {"text": "prompt", "token_ids": "prompt", "prompt_token_ids": "prompt", **body.structured_output()[1]}
+    return Call("completion", _samples(requests, best_of, body.seed), body.stream, _include_usage(body),
+                _continuous_usage(body), aliases, rid, n=n, best_of=best_of, echo=body.echo, logprobs=body.logprobs,
+                timeout=body.timeout)
 
 
 def _choices(body: _Request, best_of: int | None) -> tuple[int, int]:
@@ -320,18 +330,27 @@ def chat_call(body: ChatRequest) -> Call:
     rid = f"chatcmpl-{uuid.uuid4().hex}"
     request = pb.GenerateRequest(request_id=rid, model=body.model or "", sampling=body.sampling(max_tokens, logprobs))
     _add_messages(request, body.messages)
+    request.messages.tools_json, tools = body.tool_calling()
+    if tools is not None and (forced := tools.constraint()) is not None:
+        if request.sampling.HasField("structured_output"):
+            raise BadRequest("tool_choice", "tool_choice: a forced call cannot be combined with a structured output")
+        request.sampling.structured_output.CopyFrom(forced)
     _cascade_fields(request, body)
     n, _ = _choices(body, None)
-    aliases = {"max_tokens": max_name, "logprobs": "top_logprobs", "prompt": "messages",
+    aliases = {**body.structured_output()[1], "max_tokens": max_name, "logprobs": "top_logprobs", "prompt": "messages",
                "text": "messages", "token_ids": "messages", "prompt_token_ids": "messages"}
-    return Call("chat", _samples([request], n, body.seed), body.stream, _include_usage(body), aliases, rid, n=n,
-                best_of=n, logprobs=logprobs, timeout=body.timeout)
+    return Call("chat", _samples([request], n, body.seed), body.stream, _include_usage(body),
+                _continuous_usage(body), aliases, rid, n=n, best_of=n, logprobs=logprobs, timeout=body.timeout,
+                tools=tools)
 
 
 def _add_messages(request: pb.GenerateRequest, messages: Iterable[ChatMessage]) -> None:
     for m in messages:
         # "developer" is OpenAI's newer name for the system turn; chat templates know only "system".
-        request.messages.messages.add(role="system" if m.role == "developer" else m.role, content=m.content)
+        msg = request.messages.messages.add(role="system" if m.role == "developer" else m.role, content=m.content,
+                                            tool_call_id=m.tool_call_id or "")
+        for c in m.tool_calls or ():
+            msg.tool_calls.add(id=c.id, name=c.function.name, arguments=c.function.arguments)
 
 
 def _cascade_fields(request: pb.GenerateRequest, body: _Request) -> None:
@@ -343,6 +362,10 @@ def _cascade_fields(request: pb.GenerateRequest, body: _Request) -> None:
 
 def _include_usage(body: _Request) -> bool:
     return body.stream and body.stream_options is not None and body.stream_options.include_usage
+
+
+def _continuous_usage(body: _Request) -> bool:
+    return _include_usage(body) and body.stream_options.continuous_usage_stats
 
 
 # --- responses ----------------------------------------------------------------------------------
@@ -377,6 +400,11 @@ class Answer:
     echoes: list[Echo] | None = None  # per prompt, with echo
     _offsets: dict[int, int] = field(default_factory=dict)  # completions' text_offset, per choice
     _echoed: set[int] = field(default_factory=set)  # choices whose stream has had its echo
+    _tool_deltas: dict[int, ToolDeltas] = field(default_factory=dict)  # chat streams with tools, per choice
+    # Streams with continuous usage: each prompt's length (from its first message), each choice's
+    # tokens so far.
+    _prompt_tokens: dict[int, int] = field(default_factory=dict)
+    _completion_tokens: dict[int, int] = field(default_factory=dict)
 
     @property
     def _chat(self) -> bool:
@@ -392,19 +420,25 @@ class Answer:
             messages = samples[s]
             text = self._echo_text(s) + "".join(m.text for m in messages)
             choice: dict[str, Any] = {"index": index}
-            if self._chat:
+            finish_reason = messages[-1].finish_reason or None
+            if self._chat and self.call.tools is not None:
+                choice["message"], called = self.call.tools.message(text)
+                finish_reason = self.call.tools.finish_reason(finish_reason, called)
+            elif self._chat:
                 choice["message"] = {"role": "assistant", "content": text}
             else:
                 choice["text"] = text
             choice["logprobs"] = self._logprobs(index, s, messages)
-            choice["finish_reason"] = messages[-1].finish_reason or None
+            choice["finish_reason"] = finish_reason
             choices.append(choice)
         lasts = [m[-1] for m in samples]
         return {**self._head(chunk=False), "choices": choices, "usage": self.usage(lasts), **_served_by(lasts[0]),
                 **_cascade(lasts[0])}
 
-    def first_chunks(self) -> list[dict[str, Any]]:
-        """Chat streams open with the assistant's role, per choice, as OpenAI's do."""
+    def first_chunks(self, first: tuple[int, pb.GenerateResponse]) -> list[dict[str, Any]]:
+        """Chat streams open with the assistant's role, per choice, as OpenAI's do (with continuous
+        usage, the prompt's length already: ``first`` is the stream's first message)."""
+        self._note_prompt(*first)
         if not self._chat:
             return []
         return [self._chunk({"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
@@ -415,6 +449,8 @@ class Answer:
         None when it carries nothing to say."""
         echo = "" if index in self._echoed else self._echo_text(index)
         self._echoed.add(index)
+        self._note_prompt(index, msg)
+        self._completion_tokens[index] = self._completion_tokens.get(index, 0) + len(msg.token_ids)
         logprobs = self._logprobs(index, index, [msg])
         # A message with new tokens is a chunk even when their text is held back (an incomplete
         # character, a possible stop string): the client learns the stream advanced at once, as
@@ -423,12 +459,18 @@ class Answer:
                 or (logprobs and (msg.logprobs or msg.prompt_logprobs))):
             return None
         choice: dict[str, Any] = {"index": index}
-        if self._chat:
+        finish_reason = msg.finish_reason or None
+        if self._chat and self.call.tools is not None:
+            deltas = self._tool_deltas.setdefault(index, self.call.tools.stream())
+            choice["delta"] = deltas.delta(msg.text, last=bool(finish_reason))
+            if finish_reason:
+                finish_reason = self.call.tools.finish_reason(finish_reason, deltas.sent > 0)
+        elif self._chat:
             choice["delta"] = {"content": msg.text} if msg.text or msg.token_ids else {}
         else:
             choice["text"] = echo + msg.text
         choice["logprobs"] = logprobs
-        choice["finish_reason"] = msg.finish_reason or None
+        choice["finish_reason"] = finish_reason
         return {**self._chunk(choice), **_served_by(msg), **_cascade(msg)}
 
     def usage(self, lasts: list[pb.GenerateResponse]) -> dict[str, Any]:
@@ -443,9 +485,17 @@ class Answer:
 
     def _chunk(self, choice: dict[str, Any]) -> dict[str, Any]:
         chunk = {**self._head(chunk=True), "choices": [choice]}
-        if self.call.include_usage:
+        if self.call.continuous_usage:  # vLLM's: the usage so far on every chunk
+            prompt, completion = sum(self._prompt_tokens.values()), sum(self._completion_tokens.values())
+            chunk["usage"] = {"prompt_tokens": prompt, "completion_tokens": completion,
+                              "total_tokens": prompt + completion}
+        elif self.call.include_usage:
             chunk["usage"] = None  # OpenAI: null on every chunk but the usage one
         return chunk
+
+    def _note_prompt(self, index: int, msg: pb.GenerateResponse) -> None:
+        if msg.prompt_tokens:  # an answer's first message says its prompt's length
+            self._prompt_tokens[index // self.call.best_of] = msg.prompt_tokens
 
     def _echo_text(self, sample: int) -> str:
         return self.echoes[sample // self.call.best_of].text if self.echoes else ""
@@ -463,20 +513,26 @@ class Answer:
             return {"content": [self._chat_logprob(lp) for lp in lps], "refusal": None}
         tokens = [self._token(lp.token_id) for lp in lps]
         logprobs: list[float | None] = [lp.logprob for lp in lps]
-        # Reversed, so that of two ids with the same text the likelier one's logprob stays.
-        tops: list[dict[str, float] | None] = [{self._token(t.token_id): t.logprob for t in reversed(lp.top)}
-                                               for lp in lps]
+        tops: list[dict[str, float] | None] = [self._top(lp) for lp in lps]
         prompt = [lp for m in messages for lp in m.prompt_logprobs]
         if self.echoes and prompt:  # echo: the prompt's tokens come first, the first without a logprob
             first = self.echoes[sample // self.call.best_of].first_token
             tokens = [self._token(first), *(self._token(lp.token_id) for lp in prompt), *tokens]
             logprobs = [None, *(lp.logprob for lp in prompt), *logprobs]
-            tops = [None, *({self._token(t.token_id): t.logprob for t in reversed(lp.top)} for lp in prompt), *tops]
+            tops = [None, *(self._top(lp) for lp in prompt), *tops]
         offsets = []
         for token in tokens:
             offsets.append(self._offsets.get(index, 0))
             self._offsets[index] = offsets[-1] + len(token)
         return {"tokens": tokens, "token_logprobs": logprobs, "top_logprobs": tops, "text_offset": offsets}
+
+    def _top(self, lp: pb.TokenLogprob) -> dict[str, float]:
+        """A completions token's ``top_logprobs``: the most likely tokens and the token itself, as
+        OpenAI's and vLLM's (up to logprobs + 1 entries). Reversed, so that of two ids with the same
+        text the likelier one's logprob stays."""
+        top = {self._token(t.token_id): t.logprob for t in reversed(lp.top)}
+        top.setdefault(self._token(lp.token_id), lp.logprob)
+        return top
 
     def _chat_logprob(self, lp: pb.TokenLogprob) -> dict[str, Any]:
         def entry(token_id: int, logprob: float) -> dict[str, Any]:

@@ -43,6 +43,7 @@ from protos.block_hash import block_hashes
 from router.cascade import plan as cascade_plan
 from router.cascade import run_cascade
 from router.cascade_config import CascadeConfig, CascadeFile
+from contracts.chat import render_chat, takes_tools, template_inputs
 from contracts.tokenizers import tokenize_inline
 from router.errors import RouterError
 from router.metrics import RouterMetrics
@@ -110,7 +111,8 @@ def _inline(request: pb.GenerateRequest, in_flight: int) -> bool:
     if kind == "text":
         return tokenize_inline(request.text, None, in_flight)
     if kind == "messages":
-        return tokenize_inline(None, [{"content": m.content} for m in request.messages.messages], in_flight)
+        chat = request.messages  # the tools' JSON is rendered into the prompt too
+        return tokenize_inline(chat.tools_json, [{"content": m.content} for m in chat.messages], in_flight)
     return True
 
 
@@ -132,14 +134,18 @@ def tokenize(tokenizer, request: pb.GenerateRequest) -> list[int]:
     elif kind == "text":
         ids = tokenizer.encode(request.text, add_special_tokens=False)
     else:
-        messages = [{"role": m.role, "content": m.content} for m in request.messages.messages]
+        try:
+            messages, tools = template_inputs(request.messages)
+        except ValueError as exc:
+            raise RouterError(grpc.StatusCode.INVALID_ARGUMENT, f"tools: not a JSON array of tools: {exc}") from None
         if not messages:
             raise RouterError(grpc.StatusCode.INVALID_ARGUMENT, "messages: must hold at least one message")
         for i, m in enumerate(messages):
             if not m["role"]:
                 raise RouterError(grpc.StatusCode.INVALID_ARGUMENT, f"messages[{i}].role: must not be empty")
-        ids = list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
-                                                 return_dict=False))
+        if tools and not takes_tools(tokenizer):
+            raise RouterError(grpc.StatusCode.INVALID_ARGUMENT, "tools: this model's chat template does not take tools")
+        ids = render_chat(tokenizer, messages, tools)
     if not ids:
         raise RouterError(grpc.StatusCode.INVALID_ARGUMENT, "prompt: must not be empty")
     return ids
@@ -475,6 +481,7 @@ class Router:
                         if resumed:
                             self.metrics.migrations.labels("resumed").inc()
                         else:
+                            msg.prompt_tokens = prompt_len
                             self.metrics.routing.labels(reason).inc()
                             self.metrics.ttft.observe(now - start)
                             if attempt:

@@ -15,13 +15,16 @@ from typing import Any
 
 import grpc
 
+from contracts.chat import template_inputs
+from contracts.models import resolve_model
 from contracts.grpc_server import INTERNAL_MESSAGE_BYTES, SERVICE_NAME, GrpcServer
 from protos import kvcascade_pb2 as pb
 from protos import kvcascade_pb2_grpc as pb_grpc
 from worker.engine.async_engine import AsyncEngine
 from worker.engine.errors import EngineDeadError, InvalidRequestError, QueueFullError
+from worker.engine.generation_config import sampling_defaults
 from worker.engine.outputs import RequestOutput
-from worker.engine.sampling_params import SamplingParams
+from worker.engine.sampling_params import SamplingParams, StructuredOutput
 
 logger = logging.getLogger(__name__)
 
@@ -34,7 +37,7 @@ __all__ = ["SERVICE_NAME", "InProcessStub", "WorkerServer", "WorkerServicer", "s
 
 def _field_path(engine_field: str) -> str:
     """The proto path of a field the engine complained about, so clients can find it."""
-    return f"sampling.{engine_field}" if engine_field in _SAMPLING_FIELDS else engine_field
+    return f"sampling.{engine_field}" if engine_field.split(".")[0] in _SAMPLING_FIELDS else engine_field
 
 
 def _prompt_kwargs(request: pb.GenerateRequest) -> dict[str, Any]:
@@ -46,24 +49,42 @@ def _prompt_kwargs(request: pb.GenerateRequest) -> dict[str, Any]:
         return {"prompt": request.text}
     if kind == "token_ids":
         return {"prompt_token_ids": list(request.token_ids.ids)}
-    return {"messages": [{"role": m.role, "content": m.content} for m in request.messages.messages]}
+    try:
+        messages, tools = template_inputs(request.messages)
+    except ValueError as exc:
+        raise InvalidRequestError("tools", f"not a JSON array of tools: {exc}") from None
+    return {"messages": messages, **({"tools": tools} if tools else {})}
 
 
-def _sampling_params(sampling: pb.SamplingParams) -> SamplingParams:
-    """Only the fields the client set are passed on, so SamplingParams keeps the one set of defaults.
+def _sampling_params(sampling: pb.SamplingParams, defaults: dict[str, Any] | None = None) -> SamplingParams:
+    """Only the fields the client set are passed on, over ``defaults`` (the model's generation
+    config), so SamplingParams keeps the one set of defaults for the rest.
 
     ListFields() yields optional fields that are present and plain fields that are non-zero; the
-    zero of every plain field (top_k 0, no stops, ignore_eos false) equals the engine default.
+    zero of every plain field (no stops, ignore_eos false) equals the engine default.
     """
     kwargs: dict[str, Any] = {}
     for descriptor, value in sampling.ListFields():
-        if descriptor.message_type is not None and descriptor.message_type.GetOptions().map_entry:
+        if descriptor.name == "structured_output":
+            kwargs[descriptor.name] = _structured_output(value)
+        elif descriptor.message_type is not None and descriptor.message_type.GetOptions().map_entry:
             kwargs[descriptor.name] = dict(value)
         else:
             kwargs[descriptor.name] = list(value) if descriptor.is_repeated else value
     if kwargs.get("max_tokens") == 0:  # until the context ends
         kwargs["max_tokens"] = None
-    return SamplingParams(**kwargs)
+    return SamplingParams(**{**(defaults or {}), **kwargs})
+
+
+def _structured_output(msg: pb.StructuredOutput) -> StructuredOutput | None:
+    kind = msg.WhichOneof("kind")
+    if kind is None:
+        return None
+    if kind == "choice":
+        return StructuredOutput(kind, choices=tuple(msg.choice.choices))
+    if kind == "json_object":
+        return StructuredOutput(kind) if msg.json_object else None
+    return StructuredOutput(kind, getattr(msg, kind))
 
 
 def _response(out: RequestOutput) -> pb.GenerateResponse:
@@ -112,6 +133,9 @@ class WorkerServicer(pb_grpc.KVCascadeServicer):
 
     def __init__(self, engine: AsyncEngine):
         self._engine = engine
+        config = engine.config
+        source = resolve_model(config.model)
+        self._defaults = sampling_defaults(config.generation_config, source.path, source.kind, config.tokenizer)
 
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> None:
         # A coroutine handler writing with context.write (rather than an async generator handler)
@@ -135,7 +159,7 @@ class WorkerServicer(pb_grpc.KVCascadeServicer):
         outputs = self._engine.generate(
             request.request_id or uuid.uuid4().hex,
             **_prompt_kwargs(request),
-            params=_sampling_params(request.sampling),
+            params=_sampling_params(request.sampling, self._defaults),
         )
         async with contextlib.aclosing(outputs):
             async for out in outputs:

@@ -83,18 +83,20 @@ class Stack:
 
 @contextlib.contextmanager
 def running_stack(smollm2: LLMEngine, **engine_config: Any) -> Iterator[Stack]:
-    """Worker, router and HTTP front on one background loop; the engine reuses the loaded SmolLM2."""
+    """Worker, router and HTTP front on one background loop; the engine reuses the loaded model's
+    weights and tokenizer (SmolLM2's, or another's: test_http_tools.py runs Qwen)."""
     loop = LoopThread()
+    source = smollm2.config.model
 
     async def start():
-        engine = AsyncEngine(LLMEngine(EngineConfig(model="smollm2-135m", **engine_config),
+        engine = AsyncEngine(LLMEngine(EngineConfig(model=source, **engine_config),
                                        tokenizer=smollm2.tokenizer, model=smollm2.model))
         engine.start()
         worker = WorkerServer(engine, "127.0.0.1", 0)
         await worker.start()
         registry = MemoryRegistry()
         info = WorkerInfo(worker_id="w0", epoch="e1", address=f"127.0.0.1:{worker.port}", model=engine.model_id,
-                          model_source="smollm2-135m", block_size=16, capacity=64,
+                          model_source=source, block_size=16, capacity=64,
                           max_model_len=engine.max_model_len)
         await registry.register(info, ttl_s=3600)
         router = Router(registry, MemoryPrefixIndex())
@@ -207,6 +209,17 @@ def test_completion_logprobs(stack: Stack) -> None:
         assert top[token] == pytest.approx(logprob, abs=1e-4)  # greedy picks the likeliest
 
 
+def test_completion_top_logprobs_hold_the_sampled_token_too(stack: Stack) -> None:
+    """As OpenAI's and vLLM's: up to logprobs + 1 entries, the token itself among them even when a
+    sample (temperature 1.5) or the prompt (echo) has one that is not among the likeliest."""
+    body = stack.post("/v1/completions", {"model": stack.model, "prompt": PROMPT, "max_tokens": 12, "logprobs": 1,
+                                          "echo": True, "temperature": 1.5, "seed": 7}).json()
+    lp = body["choices"][0]["logprobs"]
+    for token, logprob, top in list(zip(lp["tokens"], lp["token_logprobs"], lp["top_logprobs"]))[1:]:
+        assert 1 <= len(top) <= 2 and top[token] == pytest.approx(logprob, abs=1e-4)
+    assert any(len(top) == 2 for top in lp["top_logprobs"][1:])  # some token was not the likeliest
+
+
 def test_chat_logprobs(stack: Stack) -> None:
     answer = stack.client().chat.completions.create(model=stack.model, messages=CHAT, max_tokens=4, temperature=0,
                                                      logprobs=True, top_logprobs=2, extra_body={"ignore_eos": True})
@@ -267,6 +280,32 @@ def test_a_batch_of_prompts_with_n_choices_each(stack: Stack) -> None:
     assert chunks[-1].usage.completion_tokens == 20
     ids = stack.post("/v1/completions", {"model": stack.model, "prompt": [[1, 2, 3], [4, 5]], "max_tokens": 2})
     assert ids.status_code == 200 and len(ids.json()["choices"]) == 2  # token-id prompts too
+
+
+@pytest.mark.parametrize("kind", ["completion", "chat"])
+def test_continuous_usage_stats_give_the_usage_so_far_on_every_chunk(stack: Stack, kind: str) -> None:
+    """vLLM's stream_options.continuous_usage_stats: every chunk's usage is the usage so far (prompt
+    once per prompt, completion tokens counted as they came), ending at the whole answer's."""
+    client = stack.client()
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    common = dict(model=stack.model, max_tokens=6, temperature=0, n=2, stream=True, stream_options=options,
+                  extra_body={"ignore_eos": True})
+    if kind == "chat":
+        chunks = list(client.chat.completions.create(messages=CHAT, **common))
+        whole = client.chat.completions.create(messages=CHAT, model=stack.model, max_tokens=6, temperature=0, n=2,
+                                               extra_body={"ignore_eos": True})
+    else:
+        chunks = list(client.completions.create(prompt=PROMPT, **common))
+        whole = client.completions.create(prompt=PROMPT, model=stack.model, max_tokens=6, temperature=0, n=2,
+                                          extra_body={"ignore_eos": True})
+    assert all(c.usage is not None for c in chunks)
+    assert {c.usage.prompt_tokens for c in chunks} == {whole.usage.prompt_tokens}
+    completions = [c.usage.completion_tokens for c in chunks]
+    assert completions == sorted(completions) and completions[-1] == whole.usage.completion_tokens == 12
+    assert all(c.usage.total_tokens == c.usage.prompt_tokens + c.usage.completion_tokens for c in chunks)
+    plain = list(client.completions.create(prompt=PROMPT, model=stack.model, max_tokens=3, stream=True,
+                                           stream_options={"include_usage": True}))
+    assert all(c.usage is None for c in plain[:-1]) and plain[-1].usage.completion_tokens == 3
 
 
 def test_chat_n_choices_seeded_sampling(stack: Stack) -> None:

@@ -181,11 +181,11 @@ class EngineCoreClient:
 
     async def generate(self, request_id: str | None = None, *, prompt: str | None = None,
                        prompt_token_ids: list[int] | None = None, messages: list[dict] | None = None,
-                       params: SamplingParams) -> AsyncIterator[RequestOutput]:
+                       tools: list[dict] | None = None, params: SamplingParams) -> AsyncIterator[RequestOutput]:
         """Stream a request's updates; leaving the iteration early aborts it and frees its blocks."""
         request_id = request_id or uuid.uuid4().hex
         if prompt_token_ids is None:
-            prompt_token_ids = await tokenize_prompt(self.inputs.tokenize, prompt, messages, len(self._requests))
+            prompt_token_ids = await tokenize_prompt(self.inputs.tokenize, prompt, messages, len(self._requests), tools)
         self.inputs.validate(prompt_token_ids, params)
         req = _Request(asyncio.get_running_loop(), asyncio.Queue(), Sequence(request_id, prompt_token_ids, params),
                        time.monotonic())

@@ -94,12 +94,13 @@ class AsyncEngine:
         prompt: str | None = None,
         prompt_token_ids: list[int] | None = None,
         messages: list[dict] | None = None,
+        tools: list[dict] | None = None,
         params: SamplingParams,
     ) -> AsyncIterator[RequestOutput]:
         """Stream a request's updates; leaving the iteration early aborts it and frees its blocks."""
         request_id = request_id or uuid.uuid4().hex
         if prompt_token_ids is None:
-            prompt_token_ids = await tokenize_prompt(self.engine.tokenize, prompt, messages, len(self._streams))
+            prompt_token_ids = await tokenize_prompt(self.engine.tokenize, prompt, messages, len(self._streams), tools)
         self.engine.validate(prompt_token_ids, params)
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
         with self._cv:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 from protos.block_hash import DEFAULT_BLOCK_SIZE
 
@@ -42,6 +43,9 @@ class EngineConfig:
     # and of the KV pool, so kv_cache_bytes is per rank.
     tensor_parallel_size: int = 1
     seed: int = 0  # dummy weights
+    # Defaults for the sampling fields a request leaves unset: auto (the model's generation_config),
+    # vllm (the engine's own) or a folder with a generation_config.json (generation_config.py).
+    generation_config: str = "auto"
 
     def __post_init__(self) -> None:
         positive = ("block_size", "kv_cache_bytes", "max_num_batched_tokens", "max_num_seqs", "max_queued_requests",
@@ -57,6 +61,10 @@ class EngineConfig:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
+        if (self.generation_config not in ("auto", "vllm")
+                and not Path(self.generation_config, "generation_config.json").is_file()):
+            raise ValueError(f"generation_config must be auto, vllm or a folder with a generation_config.json, got "
+                             f"{self.generation_config!r}")
         if self.async_scheduling is None:
             self.async_scheduling = self.device.startswith("cuda")
         if self.freeze_gc is None:

@@ -9,8 +9,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from contracts.chat import render_chat, takes_tools
 from worker.engine.errors import InvalidRequestError
 from worker.engine.sampling_params import SamplingParams
+from worker.engine.structured_output import grammar
 
 
 @dataclass(frozen=True)
@@ -20,8 +22,10 @@ class InputProcessor:
     max_model_len: int
     vocab_size: int
 
-    def tokenize(self, prompt: str | None = None, messages: list[dict] | None = None) -> list[int]:
-        """Prompt text or chat messages to token ids, the way the router will do it too."""
+    def tokenize(self, prompt: str | None = None, messages: list[dict] | None = None,
+                 tools: list[dict] | None = None) -> list[int]:
+        """Prompt text or chat messages (with the functions the model may call) to token ids, the
+        way the router does it too (contracts/chat.py)."""
         if self.tokenizer is None:
             raise InvalidRequestError("prompt", f"{self.model_id} has no tokenizer: send token ids")
         if messages is not None:
@@ -30,8 +34,9 @@ class InputProcessor:
             for i, m in enumerate(messages):
                 if not isinstance(m, dict) or not isinstance(m.get("content"), str) or not m.get("role"):
                     raise InvalidRequestError(f"messages[{i}]", "needs a role and a string content")
-            return list(self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
-                                                           return_dict=False))
+            if tools and not takes_tools(self.tokenizer):
+                raise InvalidRequestError("tools", "this model's chat template does not take tools")
+            return render_chat(self.tokenizer, messages, tools)
         if not prompt:
             raise InvalidRequestError("prompt", "must not be empty")
         return self.tokenizer.encode(prompt, add_special_tokens=False)
@@ -54,3 +59,5 @@ class InputProcessor:
             raise InvalidRequestError("prompt_token_ids", f"token ids must be in [0, {vocab})")
         if any(not 0 <= t < vocab for t in params.logit_bias):
             raise InvalidRequestError("logit_bias", f"token ids must be in [0, {vocab})")
+        if params.structured_output is not None:
+            grammar(params.structured_output)  # compiles it (cached): a bad spec is refused here

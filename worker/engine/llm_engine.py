@@ -17,8 +17,9 @@ then reads N's tokens and post-processes them:
 A sequence whose pending token is its last by length is left out of N+1. One that N's token
 finishes otherwise (EOS, a stop string) was computed once more in N+1 for nothing; that result is
 dropped (its blocks are already freed, and a block freed while N+1 runs is only handed out by a
-later schedule, whose step the device runs after N+1). A step whose sampled rows want logprobs
-takes the plain path (scheduled, then run once N's tokens are in).
+later schedule, whose step the device runs after N+1). A step whose sampled rows want logprobs,
+or have a structured output (whose mask for N+1 needs N's token in the matcher), takes the plain
+path (scheduled, then run once N's tokens are in).
 
 AsyncEngine (async_engine.py) drives it from a background thread for servers.
 """
@@ -44,6 +45,7 @@ from worker.engine.outputs import EngineStats, RequestOutput, Usage
 from worker.engine.sampling_params import SamplingParams
 from worker.engine.scheduler import ScheduledSeq, Scheduler
 from worker.engine.sequence import Sequence
+from worker.engine.structured_output import Grammars
 from worker.models.backends import create_attention_backend
 from worker.models.llama import LlamaForCausalLM
 from worker.models.config import ModelConfig
@@ -72,6 +74,7 @@ class LLMEngine:
         self.block_manager = BlockManager(num_blocks, config.block_size, self.model_id, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_batched_tokens, config.max_num_seqs)
         self.inputs = InputProcessor(self.model_id, self.tokenizer, self.max_model_len, self.model_config.vocab_size)
+        self.grammars = Grammars(self.tokenizer, self.model_config.vocab_size, self.eos_token_ids, warm=True)
         self.requests: dict[str, Sequence] = {}
         self._ids = itertools.count()
         self._inflight: _InFlight | None = None  # the lookahead's launched, unread step
@@ -87,9 +90,10 @@ class LLMEngine:
 
     # --- requests ------------------------------------------------------------------------
 
-    def tokenize(self, prompt: str | None = None, messages: list[dict] | None = None) -> list[int]:
-        """Prompt text or chat messages to token ids, the way the router will do it too."""
-        return self.inputs.tokenize(prompt, messages)
+    def tokenize(self, prompt: str | None = None, messages: list[dict] | None = None,
+                 tools: list[dict] | None = None) -> list[int]:
+        """Prompt text or chat messages (and their tools) to token ids, as the router does too."""
+        return self.inputs.tokenize(prompt, messages, tools)
 
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """Refuse what can never run; safe to call from any thread (reads only configuration)."""
@@ -102,6 +106,10 @@ class LLMEngine:
         if request_id in self.requests:
             raise InvalidRequestError("request_id", f"{request_id!r} is already in flight")
         seq = Sequence(request_id, list(prompt_token_ids), params)
+        if params.structured_output is not None:
+            # A continuation (seed_offset: the answer's tokens so far end its prompt) resumes the grammar.
+            so_far = prompt_token_ids[len(prompt_token_ids) - params.seed_offset:] if params.seed_offset else []
+            seq.matcher = self.grammars.matcher(params.structured_output, so_far)
         if arrival_time is not None:
             seq.arrival_time = arrival_time
         self.requests[request_id] = seq
@@ -114,6 +122,7 @@ class LLMEngine:
         if seq is None:
             return None
         self.scheduler.finish(seq, "abort")
+        seq.matcher = None
         return self._final_output(seq)
 
     def has_unfinished(self) -> bool:
@@ -156,7 +165,7 @@ class LLMEngine:
 
     def _can_look_ahead(self, batch: list[ScheduledSeq]) -> bool:
         return (self.config.async_scheduling and self.runner.tp.size == 1
-                and all(it.seq.params.logprobs is None for it in batch if it.samples)
+                and all(it.seq.params.logprobs is None and it.seq.matcher is None for it in batch if it.samples)
                 and not any(_wants_prompt_logprobs(it.seq) for it in batch))
 
     def _launch(self, batch: list[ScheduledSeq], prev: _InFlight | None = None) -> None:
@@ -242,7 +251,7 @@ class LLMEngine:
                 seq.first_token_time = now
             reason = self._stop_reason(seq, token)
             if reason is not None:
-                outputs.append(self._finish(seq, reason))
+                outputs.append(self._finish(seq, reason, error=seq.error))
             else:
                 outputs.append(self._make_output(seq))
         return outputs
@@ -252,6 +261,13 @@ class LLMEngine:
         hit_stop_string = p.detokenize and self.tokenizer is not None and update_text(seq, self.tokenizer)
         if hit_stop_string or token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_token_ids):
             return "stop"
+        if seq.matcher is not None:
+            if not seq.matcher.consume_token(token):  # the mask allowed only what it takes: a bug
+                seq.error = f"structured output: token {token} refused: {seq.matcher.get_error()[:300]}"
+                log.error("%s: %s", seq.request_id, seq.error)
+                return "error"
+            if seq.matcher.is_stopped():  # the answer is complete and nothing may follow
+                return "stop"
         if self._ends_by_length(seq):
             return "length"
         return None
@@ -260,6 +276,7 @@ class LLMEngine:
         self.scheduler.finish(seq, reason)
         self.requests.pop(seq.request_id, None)
         seq.error = error
+        seq.matcher = None
         return self._final_output(seq)
 
     def _make_output(self, seq: Sequence) -> RequestOutput:

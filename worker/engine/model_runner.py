@@ -23,6 +23,7 @@ from worker.distributed.group import get_tp
 from worker.engine.config import EngineConfig
 from worker.engine.outputs import TokenLogprob
 from worker.engine.sampler import sample, sample_tokens, steer
+from worker.engine.structured_output import GrammarMask, grammar_mask
 from worker.engine.scheduler import ScheduledSeq
 from worker.models.attention import AttentionBackend, AttentionMetadata, forward_context
 from worker.models.config import ModelConfig
@@ -79,6 +80,7 @@ class ModelRunner:
         self._closed = False
         self.num_blocks = num_blocks
         self.eos_token_ids = frozenset(model_cfg.eos_token_ids)  # what min_tokens holds back
+        self.vocab_size = model_cfg.vocab_size
         dtype = DTYPES[config.dtype]
         shape = (num_blocks, config.block_size, model.kv_heads, model_cfg.head_dim)
         self.kv_caches = [
@@ -157,8 +159,8 @@ class ModelRunner:
         if logits is None:  # prefill chunks only: nothing samples
             return PendingTokens(torch.empty(0, dtype=torch.long, device=self.device))
         params = [s.params for s in samplers]
-        return PendingTokens(sample_tokens(steer(logits, params, self._hold(samplers)), params,
-                                           [s.next_generator(logits.device) for s in samplers]))
+        return PendingTokens(sample_tokens(steer(logits, params, self._hold(samplers), self._grammar(samplers)),
+                                           params, [s.next_generator(logits.device) for s in samplers]))
 
     @torch.inference_mode()
     def execute(self, inputs: StepInputs, ids: torch.Tensor | None = None
@@ -229,6 +231,11 @@ class ModelRunner:
                 out.append(None)
         return out
 
+    def _grammar(self, seqs: list) -> GrammarMask | None:
+        """The allowed tokens of the sampled sequences with a structured output (their matchers
+        have taken every token so far: the engine never looks ahead past them)."""
+        return grammar_mask([seq.matcher for seq in seqs], self.vocab_size)
+
     def follow(self) -> None:
         """Ranks > 0: run the steps rank 0 broadcasts until it broadcasts None (``close``); their
         logits and prompt logprobs go unread (rank 0 samples)."""
@@ -245,9 +252,9 @@ class ModelRunner:
     def _sample(self, batch: list[ScheduledSeq], logits: torch.Tensor) -> list[tuple[int, TokenLogprob | None] | None]:
         results: list[tuple[int, TokenLogprob | None] | None] = [None] * len(batch)
         samplers = [item for item in batch if item.samples]
-        tokens, logprobs = sample(logits, [s.seq.params for s in samplers],
-                                  [s.seq.next_generator(logits.device) for s in samplers],
-                                  self._hold([s.seq for s in samplers]))
+        seqs = [s.seq for s in samplers]
+        tokens, logprobs = sample(logits, [s.params for s in seqs], [s.next_generator(logits.device) for s in seqs],
+                                  self._hold(seqs), self._grammar(seqs))
         it = iter(zip(tokens, logprobs))
         for i, item in enumerate(batch):
             if item.samples:

@@ -13,6 +13,7 @@ import torch
 
 from worker.engine.outputs import TokenLogprob
 from worker.engine.sampling_params import SamplingParams
+from worker.engine.structured_output import GrammarMask
 from worker.models.transfer import to_device
 
 _MASK64 = 2**64 - 1
@@ -50,14 +51,18 @@ def sample_tokens(logits: torch.Tensor, params: list[SamplingParams],
     return tokens
 
 
-def steer(logits: torch.Tensor, params: list[SamplingParams], hold: list[list[int] | None]) -> torch.Tensor:
-    """The logits the rows sample from: each row's ``logit_bias`` added, and the token ids in its
-    ``hold`` (EOS and stop ids while it is under ``min_tokens``) ruled out. The same tensor when no
-    row asks for either (the usual case: no copy)."""
+def steer(logits: torch.Tensor, params: list[SamplingParams], hold: list[list[int] | None],
+          grammar: GrammarMask | None = None) -> torch.Tensor:
+    """The logits the rows sample from: each row's ``logit_bias`` added, the token ids in its
+    ``hold`` (EOS and stop ids while it is under ``min_tokens``) ruled out, and with ``grammar``
+    the tokens its structured output does not allow. The same tensor when no row asks for any of
+    them (the usual case: no copy)."""
     rows = [i for i, p in enumerate(params) if p.logit_bias or hold[i]]
-    if not rows:
+    if not rows and grammar is None:
         return logits
     out = logits.clone()
+    if grammar is not None:
+        grammar.apply(out)
     for i in rows:
         if params[i].logit_bias:
             ids = to_device(list(params[i].logit_bias), logits.device, torch.long)
@@ -70,11 +75,11 @@ def steer(logits: torch.Tensor, params: list[SamplingParams], hold: list[list[in
 
 def sample(
     logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None],
-    hold: list[list[int] | None] | None = None,
+    hold: list[list[int] | None] | None = None, grammar: GrammarMask | None = None,
 ) -> tuple[list[int], list[TokenLogprob | None]]:
     """One token per row of ``logits`` [N, V] (steered: ``steer``); with it, its logprob entry
     when asked for, from the model's own distribution."""
-    tokens = sample_tokens(steer(logits, params, hold or [None] * len(params)), params, generators)
+    tokens = sample_tokens(steer(logits, params, hold or [None] * len(params), grammar), params, generators)
     token_list = tokens.tolist()
     want = [i for i, p in enumerate(params) if p.logprobs is not None]
     entries: list[TokenLogprob | None] = [None] * len(params)

@@ -14,6 +14,17 @@ MAX_STOP_STRINGS = 64
 MAX_STOP_CHARS = 512
 MAX_STOP_TOKEN_IDS = 1024
 MAX_SEED_OFFSET = 2**32 - 1  # the proto's uint32
+STRUCTURED_KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")
+
+
+@dataclass(frozen=True)
+class StructuredOutput:
+    """What the answer must be (structured_output.py compiles and enforces it); hashable, the
+    compiled-grammar cache's key."""
+
+    kind: str  # one of STRUCTURED_KINDS
+    spec: str = ""  # json_schema: the schema's JSON text; regex; grammar: Lark text; else empty
+    choices: tuple[str, ...] = ()  # kind "choice": the answers allowed
 
 
 @dataclass
@@ -43,6 +54,7 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     prompt_logprobs_start: int = 1
     detokenize: bool = True  # False: token ids only (no text, no stop strings), saves CPU per token
+    structured_output: StructuredOutput | None = None  # None: any text
 
     def validate(self) -> None:
         if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
@@ -83,6 +95,12 @@ class SamplingParams:
                                       f"at most {MAX_STOP_TOKEN_IDS} token ids, got {len(self.stop_token_ids)}")
         if any(t < 0 for t in self.stop_token_ids):
             raise InvalidRequestError("stop_token_ids", "token ids must be >= 0")
+        if self.structured_output is not None:
+            if self.structured_output.kind not in STRUCTURED_KINDS:
+                raise InvalidRequestError("structured_output", f"kind must be one of {', '.join(STRUCTURED_KINDS)}")
+            if self.min_tokens:  # held-back EOS could leave a finished answer nothing to sample
+                raise InvalidRequestError("min_tokens", "cannot be combined with a structured output (the grammar "
+                                                        "decides where the answer ends)")
 
     @property
     def greedy(self) -> bool:

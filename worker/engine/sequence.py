@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -43,6 +44,10 @@ class Sequence:
     error: str | None = None
     num_preemptions: int = 0
     generator: torch.Generator | None = None  # per-request RNG when a seed is given (next_generator)
+    # params.structured_output: an llguidance matcher that has taken every output token (the engine
+    # feeds it each sampled token; a preemption keeps the tokens, so it keeps the matcher). None
+    # once the request is done.
+    matcher: Any = None
     # Detokenization and streaming state (see detokenizer.py)
     output_text: str = ""
     emitted_text_len: int = 0
