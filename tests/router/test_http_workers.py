@@ -174,7 +174,7 @@ def test_a_killed_process_is_replaced_while_the_port_keeps_answering(redis_url, 
     loop, running = LoopThread(), Running()
     try:
         loop.run(start_router(RouterOptions(port=0, http_port=0, redis_url=redis_url, http_workers=3), running))
-        port = next(r.args[1] for r in caplog.records if r.msg.startswith("router HTTP"))
+        port = next(r.args[2] for r in caplog.records if r.msg.startswith("router HTTP"))  # (scheme, host, port, ...)
         url = f"http://127.0.0.1:{port}"
         before = serving(os.getpid(), port, psutil.CONN_LISTEN)
         assert len(before) == 3 and os.getpid() in before, before
