@@ -48,7 +48,7 @@ class RouterServicer(pb_grpc.KVCascadeServicer):
         self.limiter = limiter if limiter is not None else ClientLimiter(access.limits)
 
     async def _check_key(self, context: grpc.aio.ServicerContext) -> str | None:
-        """The key presented, once it is known to be a valid one (or None when the API is open)."""
+        """The key presented (None: none), refused here unless valid when the API has keys."""
         given = _presented_key(context)
         if self.keys and self.keys.match(given) is None:
             await context.abort(grpc.StatusCode.UNAUTHENTICATED, "a valid API key is required")
