@@ -149,7 +149,13 @@ class Grammars:
         self._cache_size = cache_size
         self._compiled: OrderedDict[StructuredOutput, llguidance.LLMatcher] = OrderedDict()
         if warm and tokenizer is not None and self._eos:
-            threading.Thread(target=self._ll, name="llguidance-tokenizer", daemon=True).start()
+            threading.Thread(target=self._warm, name="llguidance-tokenizer", daemon=True).start()
+
+    def _warm(self) -> None:
+        try:
+            self._ll()
+        except InvalidRequestError as err:  # said again to the first constrained request
+            log.info("structured output unavailable for this model: %s", err)
 
     def _ll(self) -> llguidance.LLTokenizer:
         if self._tokenizer is None:
@@ -161,8 +167,12 @@ class Grammars:
         with _LL_LOCK:
             if key not in _LL_TOKENIZERS:
                 start = time.perf_counter()
+                try:
+                    ll = llguidance_tokenizer(self._tokenizer, *key[1:])
+                except ValueError as err:  # e.g. a dummy model's vocabulary smaller than its tokenizer's
+                    raise InvalidRequestError("structured_output", f"not available for this model: {err}") from None
                 # The tokenizer is kept with it, so its id is not reused while the entry lives.
-                _LL_TOKENIZERS[key] = (self._tokenizer, llguidance_tokenizer(self._tokenizer, *key[1:]))
+                _LL_TOKENIZERS[key] = (self._tokenizer, ll)
                 log.info("structured output: llguidance tokenizer built in %.2f s", time.perf_counter() - start)
             return _LL_TOKENIZERS[key][1]
 
