@@ -2,6 +2,7 @@
 constrained, at each batch size, and the mask's two parts on their own.
 
     python benchmarks/structured_output.py [--model smollm2-135m] [--batches 1 64] [--tokens 16] [--rounds 3]
+        [--device cuda --dtype bfloat16 --tokenizer FOLDER]   # e.g. dummy:llama-3.1-8b on a GPU
 
 A run is B requests decoding --tokens tokens (greedy, EOS ignored) after a short prompt; the
 constrained run gives every request a JSON Schema (an object with a free string, so it never
@@ -71,13 +72,15 @@ def mask_ms(engine: LLMEngine, batch: int, so: StructuredOutput, steps: int) -> 
     matchers = [engine.grammars.matcher(so) for _ in range(batch)]
     answer = engine.tokenizer.encode('{"id":42,"note":"a small grey cat that sleeps all day"}',
                                      add_special_tokens=False)[:steps]
-    logits = torch.randn(batch, engine.model_config.vocab_size)
+    logits = torch.randn(batch, engine.model_config.vocab_size, device=engine.config.device)
     fill = apply = 0.0
     for token in answer:
         t0 = time.perf_counter()
         mask = grammar_mask(matchers, engine.model_config.vocab_size)
         t1 = time.perf_counter()
         mask.apply(logits.clone())
+        if logits.is_cuda:
+            torch.cuda.synchronize()
         t2 = time.perf_counter()
         fill, apply = fill + t1 - t0, apply + t2 - t1
         for m in matchers:
@@ -91,8 +94,12 @@ def main() -> None:
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 64])
     ap.add_argument("--tokens", type=int, default=16)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--tokenizer", default=None, help="for dummy: models (a tokenizer folder)")
     args = ap.parse_args()
-    engine = LLMEngine(EngineConfig(model=args.model, max_num_seqs=max(args.batches)))
+    engine = LLMEngine(EngineConfig(model=args.model, max_num_seqs=max(args.batches), device=args.device,
+                                    dtype=args.dtype, tokenizer=args.tokenizer))
     so = StructuredOutput("json_schema", json.dumps(SCHEMA))
     start = time.perf_counter()
     engine.grammars.matcher(so)
