@@ -15,6 +15,9 @@ class EngineConfig:
     tokenizer: str | None = None
     device: str = "cpu"
     dtype: str = "float32"  # float32 | bfloat16 | float16
+    # The KV pool's storage: auto (the model's dtype), int8 or fp8 (e4m3), the last two with a scale
+    # per token and KV head (kernels/kv_quant.py): about half a bf16 pool's bytes per token.
+    kv_cache_dtype: str = "auto"
     attention_backend: str = "auto"  # auto: triton on CUDA, torch elsewhere
     cuda_graphs: bool = True  # decode steps replay captured graphs (CUDA only)
     # Graphs for batches 1, 2, 4, every 8 to 64, then every cuda_graph_step up to max_num_seqs.
@@ -61,6 +64,8 @@ class EngineConfig:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
+        if self.kv_cache_dtype not in ("auto", "int8", "fp8"):
+            raise ValueError(f"kv_cache_dtype must be auto, int8 or fp8, got {self.kv_cache_dtype!r}")
         if (self.generation_config not in ("auto", "vllm")
                 and not Path(self.generation_config, "generation_config.json").is_file()):
             raise ValueError(f"generation_config must be auto, vllm or a folder with a generation_config.json, got "

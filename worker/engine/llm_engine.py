@@ -40,7 +40,8 @@ from worker.engine.config import EngineConfig
 from worker.engine.detokenizer import take_text_delta, update_text
 from worker.engine.errors import InvalidRequestError
 from worker.engine.input_processor import InputProcessor
-from worker.engine.model_runner import DTYPES, ModelRunner, PendingTokens, cuda_kv_blocks, kv_bytes_per_block
+from worker.engine.model_runner import (DTYPES, ModelRunner, PendingTokens, cuda_kv_blocks, kv_bytes_per_block,
+                                       kv_storage_dtype)
 from worker.engine.outputs import EngineStats, RequestOutput, Usage
 from worker.engine.sampling_params import SamplingParams
 from worker.engine.scheduler import ScheduledSeq, Scheduler
@@ -85,8 +86,9 @@ class LLMEngine:
             # tens of ms on the H100 host: a decode step the device spent waiting.
             gc.collect()
             gc.freeze()
-        log.info("engine ready: model=%s blocks=%d x %d tokens, max_model_len=%d",
-                 self.model_id, num_blocks, config.block_size, self.max_model_len)
+        log.info("engine ready: model=%s blocks=%d x %d tokens (KV cache %s), max_model_len=%d",
+                 self.model_id, num_blocks, config.block_size, str(self.runner.kv_dtype).removeprefix("torch."),
+                 self.max_model_len)
 
     # --- requests ------------------------------------------------------------------------
 
@@ -416,7 +418,7 @@ def kv_block_count(config: EngineConfig, model_cfg: ModelConfig, model: LlamaFor
                    max_model_len: int) -> int:
     """KV blocks in the pool; under tensor parallelism every rank sizes its share and all take the
     smallest, since a block id means the same block on every rank."""
-    dtype = DTYPES[config.dtype]
+    dtype = kv_storage_dtype(config)
     if config.num_kv_blocks:
         blocks = config.num_kv_blocks
     elif config.device.startswith("cuda"):

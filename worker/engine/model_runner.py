@@ -25,7 +25,8 @@ from worker.engine.outputs import TokenLogprob
 from worker.engine.sampler import sample, sample_tokens, steer
 from worker.engine.structured_output import GrammarMask, grammar_mask
 from worker.engine.scheduler import ScheduledSeq
-from worker.models.attention import AttentionBackend, AttentionMetadata, forward_context
+from kernels.kv_quant import KV_CACHE_DTYPES, is_quantized
+from worker.models.attention import AttentionBackend, AttentionMetadata, LayerKV, forward_context
 from worker.models.config import ModelConfig
 from worker.models.transfer import to_device
 
@@ -33,10 +34,40 @@ PROMPT_LOGITS_ROWS = 256  # prompt logprobs: LM-head rows at a time
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
+def kv_storage_dtype(config: EngineConfig) -> torch.dtype:
+    """What the KV pool stores: the model's dtype, or int8 / fp8 with scales (--kv-cache-dtype)."""
+    if config.kv_cache_dtype == "auto":
+        return DTYPES[config.dtype]
+    dtype = KV_CACHE_DTYPES[config.kv_cache_dtype]
+    if dtype == torch.float8_e4m3fn and config.device.startswith("cuda"):
+        cap = torch.cuda.get_device_capability(torch.device(config.device))
+        if cap < (8, 9):
+            raise ValueError(f"kv_cache_dtype fp8 needs a GPU of compute capability 8.9 or later (this one is "
+                             f"{cap[0]}.{cap[1]}); use int8")
+    return dtype
+
+
 def kv_bytes_per_block(model_cfg: ModelConfig, block_size: int, dtype: torch.dtype, kv_heads: int) -> int:
-    """Bytes of one KV block on one rank (``kv_heads``: this rank's share of the KV heads)."""
+    """Bytes of one KV block on one rank (``kv_heads``: this rank's share of the KV heads), the
+    scales of a quantized pool included (a float32 per token and KV head, for K and for V)."""
     itemsize = torch.tensor([], dtype=dtype).element_size()
-    return 2 * model_cfg.num_layers * block_size * kv_heads * model_cfg.head_dim * itemsize
+    per_token_head = model_cfg.head_dim * itemsize + (4 if is_quantized(dtype) else 0)
+    return 2 * model_cfg.num_layers * block_size * kv_heads * per_token_head
+
+
+def allocate_kv_pool(num_layers: int, num_blocks: int, block_size: int, kv_heads: int, head_dim: int,
+                     dtype: torch.dtype, device: torch.device) -> list[LayerKV]:
+    """Per layer, K and V [num_blocks, block_size, kv_heads, head_dim] (and for a quantized pool
+    their scales [num_blocks, block_size, kv_heads]), zeroed."""
+    shape = (num_blocks, block_size, kv_heads, head_dim)
+
+    def scales() -> tuple[torch.Tensor, torch.Tensor] | None:
+        if not is_quantized(dtype):
+            return None
+        return tuple(torch.zeros(shape[:3], dtype=torch.float32, device=device) for _ in range(2))
+
+    return [LayerKV(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device),
+                    scales()) for _ in range(num_layers)]
 
 
 @dataclass
@@ -81,12 +112,9 @@ class ModelRunner:
         self.num_blocks = num_blocks
         self.eos_token_ids = frozenset(model_cfg.eos_token_ids)  # what min_tokens holds back
         self.vocab_size = model_cfg.vocab_size
-        dtype = DTYPES[config.dtype]
-        shape = (num_blocks, config.block_size, model.kv_heads, model_cfg.head_dim)
-        self.kv_caches = [
-            (torch.zeros(shape, dtype=dtype, device=self.device), torch.zeros(shape, dtype=dtype, device=self.device))
-            for _ in range(model_cfg.num_layers)
-        ]
+        self.kv_dtype = kv_storage_dtype(config)
+        self.kv_caches = allocate_kv_pool(model_cfg.num_layers, num_blocks, config.block_size, model.kv_heads,
+                                          model_cfg.head_dim, self.kv_dtype, self.device)
         self.graphs = None
         if config.cuda_graphs and self.device.type == "cuda":
             from worker.engine.cuda_graphs import DecodeGraphs
@@ -304,13 +332,11 @@ def cuda_kv_blocks(config: EngineConfig, model_cfg: ModelConfig, model: torch.nn
     """KV blocks that fit in what the weights and a warm-up forward at the full token budget leave
     of ``gpu_memory_utilization`` x the GPU's memory (the way a serving engine sizes its pool)."""
     device = torch.device(config.device)
-    dtype = DTYPES[config.dtype]
+    dtype = kv_storage_dtype(config)
     bs = config.block_size
     tokens = min(config.max_num_batched_tokens, max_model_len)
     blocks = -(-tokens // bs)
-    shape = (blocks, bs, model.kv_heads, model_cfg.head_dim)
-    caches = [(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
-              for _ in range(model_cfg.num_layers)]
+    caches = allocate_kv_pool(model_cfg.num_layers, blocks, bs, model.kv_heads, model_cfg.head_dim, dtype, device)
     torch.cuda.synchronize(device)
     torch.cuda.reset_peak_memory_stats(device)
     meta = AttentionMetadata(

@@ -20,13 +20,24 @@ from __future__ import annotations
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Iterator
+from typing import TYPE_CHECKING, Iterator, NamedTuple
 
 import torch
 import torch.nn.functional as F
 
+from kernels.kv_quant import dequantize_kv, quantize_kv
+
 if TYPE_CHECKING:
     from worker.models.layers import RotaryEmbedding
+
+
+class LayerKV(NamedTuple):
+    """One layer's share of the KV pool: K and V [num_blocks, block_size, KVH, D]; in a quantized
+    pool (int8 / fp8) also their scales, each [num_blocks, block_size, KVH] (kernels/kv_quant.py)."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+    scales: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 @dataclass
@@ -37,9 +48,9 @@ class AttentionMetadata:
     block_tables: list[list[int]]  # [B] the physical blocks of each sequence, in order
     block_size: int
     num_decodes: int  # the first num_decodes sequences have exactly one new token
-    # Per layer (k_cache, v_cache), each [num_blocks, block_size, KVH, D]. The pool travels with the
-    # step rather than living in the model, so one loaded model can serve several engines.
-    kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
+    # Per layer, its K/V caches (and scales). The pool travels with the step rather than living in
+    # the model, so one loaded model can serve several engines.
+    kv_caches: list[LayerKV] = field(default_factory=list)
     backend: "AttentionBackend | None" = None  # likewise: the engine's choice, not the model's
     # Backend-specific tensors built once per step (not once per layer).
     extra: dict[str, object] = field(default_factory=dict)
@@ -86,6 +97,7 @@ class AttentionBackend:
         meta: AttentionMetadata,
         scale: float,
         rope: "tuple[torch.Tensor, RotaryEmbedding] | None" = None,  # (positions [T], the layer's rotary)
+        kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None,  # a quantized pool's (k, v) scales
     ) -> torch.Tensor:  # [T, H, D]
         raise NotImplementedError
 
@@ -124,21 +136,38 @@ class TorchAttentionBackend(AttentionBackend):
             prefills.append((slots, mask))
         meta.extra["prefills"] = prefills
 
-    def forward(self, q, k, v, k_cache, v_cache, meta, scale, rope=None):
+    def forward(self, q, k, v, k_cache, v_cache, meta, scale, rope=None, kv_scales=None):
         if rope is not None:
             positions, rotary = rope
             q, k = rotary(positions, q, k)
         num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
         k_flat = k_cache.view(-1, num_kv_heads, head_dim)
         v_flat = v_cache.view(-1, num_kv_heads, head_dim)
-        k_flat.index_copy_(0, meta.slot_mapping, k)
-        v_flat.index_copy_(0, meta.slot_mapping, v)
+        if kv_scales is None:
+            k_flat.index_copy_(0, meta.slot_mapping, k)
+            v_flat.index_copy_(0, meta.slot_mapping, v)
+
+            def gather(slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                return k_flat[slots], v_flat[slots]
+        else:  # a quantized pool: store data + scale, read back dequantized in q's dtype
+            # Through uint8 views: CPU torch has no index_copy_ for fp8 (both formats are a byte).
+            kv_dtype = k_cache.dtype
+            k_bytes, v_bytes = k_flat.view(torch.uint8), v_flat.view(torch.uint8)
+            ks_flat, vs_flat = (s.view(-1, num_kv_heads) for s in kv_scales)
+            for x, flat, s_flat in ((k, k_bytes, ks_flat), (v, v_bytes, vs_flat)):
+                data, sc = quantize_kv(x, kv_dtype)
+                flat.index_copy_(0, meta.slot_mapping, data.view(torch.uint8))
+                s_flat.index_copy_(0, meta.slot_mapping, sc)
+
+            def gather(slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                return (dequantize_kv(k_bytes[slots].view(kv_dtype), ks_flat[slots], q.dtype),
+                        dequantize_kv(v_bytes[slots].view(kv_dtype), vs_flat[slots], q.dtype))
         out = torch.empty_like(q)
         nd = meta.num_decodes
         if nd:
             slots = meta.extra["decode_slots"]  # [nd, max_ctx]
-            kd = k_flat[slots].transpose(1, 2)  # [nd, KVH, max_ctx, D]
-            vd = v_flat[slots].transpose(1, 2)
+            kd, vd = gather(slots)
+            kd, vd = kd.transpose(1, 2), vd.transpose(1, 2)  # [nd, KVH, max_ctx, D]
             qd = q[:nd].unsqueeze(2)  # [nd, H, 1, D]
             od = F.scaled_dot_product_attention(
                 qd, kd, vd, attn_mask=meta.extra["decode_mask"], scale=scale, enable_gqa=True
@@ -147,8 +176,8 @@ class TorchAttentionBackend(AttentionBackend):
         for i, (slots, mask) in enumerate(meta.extra["prefills"], start=nd):
             s, e = meta.query_start[i], meta.query_start[i + 1]
             qp = q[s:e].transpose(0, 1)  # [H, q_len, D]
-            kp = k_flat[slots].transpose(0, 1)  # [KVH, ctx, D]
-            vp = v_flat[slots].transpose(0, 1)
+            kp, vp = gather(slots)
+            kp, vp = kp.transpose(0, 1), vp.transpose(0, 1)  # [KVH, ctx, D]
             op = F.scaled_dot_product_attention(
                 qp, kp, vp, attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=True
             )

@@ -41,8 +41,9 @@ class LlamaAttention(nn.Module):
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         meta = get_forward_context()
-        k_cache, v_cache = meta.kv_caches[self.layer_idx]
-        o = meta.backend.forward(q, k, v, k_cache, v_cache, meta, self.scale, rope=(positions, self.rotary))
+        kv = meta.kv_caches[self.layer_idx]
+        o = meta.backend.forward(q, k, v, kv.k, kv.v, meta, self.scale, rope=(positions, self.rotary),
+                                 kv_scales=kv.scales)
         return self.o_proj(o.reshape(-1, self.q_size))
 
 
