@@ -24,6 +24,12 @@ of the group. Query token i of a sequence with ``q_len`` new tokens sits at posi
     query i sees keys at positions <= context_len - q_len + i
 
 Keys before the tile's first position are seen by every row and need no causal mask.
+
+An int8 or fp8 pool (kernels/kv_quant.py: a scale per token and KV head beside the data) is
+dequantized in registers, never as a whole tile: the raw K tile, exact in q's dtype, goes into the
+dot and each token's K scale multiplies its column of scores; each token's V scale multiplies its
+column of p before the PV dot. ``KV_QMAX`` (0 for a float pool) makes it a compile-time variant,
+so a float pool's kernels are as they were.
 """
 
 from __future__ import annotations
@@ -31,6 +37,7 @@ from __future__ import annotations
 import torch
 
 from kernels._triton import cdiv, check_launchable, jit, next_power_of_2, pdl_launch, sm_count, tl, wait_for_producer
+from kernels.kv_store import kv_scale, kv_scale_args, quantize
 from kernels.rotary import _rotate
 
 # The kernels use exp2: the softmax scale is multiplied by log2(e) once.
@@ -69,7 +76,9 @@ def _attend_tile(
     n_start, kv_end,  # this tile covers context positions [n_start, n_start + BLOCK_N) clipped to kv_end
     q_pos,  # [M] position of each row's query token
     qk_scale, stride_kb, stride_kt, offs_d, d_mask,
+    ks_ptr, vs_ptr, stride_sb, stride_st,  # KV_QMAX > 0: the scales, pointers at this KV head's
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    KV_QMAX: tl.constexpr,
 ):
     """One online-softmax step over BLOCK_N context tokens gathered through the block table."""
     pos = n_start + tl.arange(0, BLOCK_N)
@@ -78,7 +87,12 @@ def _attend_tile(
     tok = blk * stride_kb + (pos % BLOCK_SIZE).to(tl.int64) * stride_kt + kv_head_off
     kv_mask = p_mask[:, None] & d_mask[None, :]
     k = tl.load(k_ptr + tok[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
-    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+    if KV_QMAX > 0:  # a token's K scale multiplies its column of scores: [BLOCK_N], not [BLOCK_N, D]
+        tok_scale = blk * stride_sb + (pos % BLOCK_SIZE).to(tl.int64) * stride_st
+        ks = tl.load(ks_ptr + tok_scale, mask=p_mask, other=0.0)
+        s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION) * (ks * qk_scale)[None, :]
+    else:
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
     if CAUSAL:
         s = tl.where(p_mask[None, :] & (pos[None, :] <= q_pos[:, None]), s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -86,7 +100,11 @@ def _attend_tile(
     alpha = tl.exp2(m_i - m_new)
     l_i = l_i * alpha + tl.sum(p, 1)
     v = tl.load(v_ptr + tok[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    if KV_QMAX > 0:  # and its V scale its column of p (l_i above sums p unscaled)
+        vs = tl.load(vs_ptr + tok_scale, mask=p_mask, other=0.0)
+        acc = acc * alpha[:, None] + tl.dot((p * vs[None, :]).to(q.dtype), v.to(q.dtype), input_precision=DOT_PRECISION)
+    else:
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
     return m_new, l_i, acc
 
 
@@ -99,10 +117,13 @@ def _decode_kernel(
     # ROPE_STORE: the step's new token (unrotated q, k, and v) is rotated here and its K/V stored
     pos_ptr, kn_ptr, vn_ptr, cos_ptr, sin_ptr, slot_ptr, stride_knb, stride_knh, stride_vnb, stride_vnh,
     stride_cos, stride_sin,
+    ks_ptr, vs_ptr, stride_sb, stride_st,  # KV_QMAX > 0: the pool's scales [num_blocks, block_size, KVH]
     NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, BLOCK_G: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
     NUM_SPLITS: tl.constexpr, HAS_ORDER: tl.constexpr, ROPE_STORE: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, USE_PDL: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    KV_QMAX: tl.constexpr,  # 0: a float pool; else an int8/fp8 pool's QMAX
+    USE_PDL: tl.constexpr,
 ):
     wait_for_producer(USE_PDL)
     b = tl.program_id(0)
@@ -144,6 +165,16 @@ def _decode_kernel(
         slot = tl.load(slot_ptr + b).to(tl.int64)
         keep = d_mask & owner & (slot >= 0)  # slot -1: a padding row (CUDA graphs)
         dst = tl.maximum(slot, 0) * stride_kt + kvh * stride_kh + offs_d  # the pool row of slot s: s * stride_kt
+        if KV_QMAX > 0:
+            # Stored quantized, and attended below as stored: this step's output is what a later
+            # step reading the pool computes. k_new and v_new become the stored int8/fp8 values.
+            k_scale = kv_scale(tl.max(tl.abs(k_new.to(tl.float32)), 0), KV_QMAX)
+            v_scale = kv_scale(tl.max(tl.abs(v_new.to(tl.float32)), 0), KV_QMAX)
+            k_new = quantize(k_new, k_scale, k_ptr.dtype.element_ty, KV_QMAX)
+            v_new = quantize(v_new, v_scale, v_ptr.dtype.element_ty, KV_QMAX)
+            scale_dst = tl.maximum(slot, 0) * stride_st + kvh  # slot s's scales: s * KVH
+            tl.store(ks_ptr + scale_dst, k_scale, mask=owner & (slot >= 0))
+            tl.store(vs_ptr + scale_dst, v_scale, mask=owner & (slot >= 0))
         tl.store(k_ptr + dst, k_new.to(k_ptr.dtype.element_ty), mask=keep)
         tl.store(v_ptr + dst, v_new.to(v_ptr.dtype.element_ty), mask=keep)
         tiles_end = tl.minimum(end, ctx - 1)
@@ -157,15 +188,21 @@ def _decode_kernel(
     for n in range(start, tiles_end, BLOCK_N):
         m_i, l_i, acc = _attend_tile(
             q, m_i, l_i, acc, k_ptr, v_ptr, bt_row, kvh * stride_kh, n, tiles_end, q_pos,
-            qk_scale, stride_kb, stride_kt, offs_d, d_mask,
-            BLOCK_SIZE, BLOCK_N, True, DOT_PRECISION,
+            qk_scale, stride_kb, stride_kt, offs_d, d_mask, ks_ptr + kvh, vs_ptr + kvh, stride_sb, stride_st,
+            BLOCK_SIZE, BLOCK_N, True, DOT_PRECISION, KV_QMAX,
         )
     if ROPE_STORE:  # the new token, one more online-softmax step (as _attend_tile rounds p for PV)
-        s_new = tl.sum(q.to(tl.float32) * k_new.to(tl.float32)[None, :], 1) * qk_scale
+        if KV_QMAX > 0:  # scaled as _attend_tile scales a tile's scores and p
+            s_new = tl.sum(q.to(tl.float32) * k_new.to(tl.float32)[None, :], 1) * (k_scale * qk_scale)
+        else:
+            s_new = tl.sum(q.to(tl.float32) * k_new.to(tl.float32)[None, :], 1) * qk_scale
         m_new = tl.maximum(m_i, s_new)
         p = tl.exp2(s_new - m_new)
         alpha = tl.exp2(m_i - m_new)
-        pv = p.to(v_new.dtype).to(tl.float32)[:, None] * v_new.to(tl.float32)[None, :]
+        if KV_QMAX > 0:
+            pv = (p * v_scale).to(q.dtype).to(tl.float32)[:, None] * v_new.to(tl.float32)[None, :]
+        else:
+            pv = p.to(v_new.dtype).to(tl.float32)[:, None] * v_new.to(tl.float32)[None, :]
         m_i = tl.where(owner, m_new, m_i)
         l_i = tl.where(owner, l_i * alpha + p, l_i)
         acc = tl.where(owner, acc * alpha[:, None] + pv, acc)
@@ -231,9 +268,12 @@ def _find_sequence(qsl_ptr, tile, num_seqs, BLOCK_Q: tl.constexpr):
 def _prefill_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, bt_ptr, qsl_ptr, ctx_ptr, num_seqs, qk_scale,
     stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_bt, stride_ot, stride_oh,
+    ks_ptr, vs_ptr, stride_sb, stride_st,  # KV_QMAX > 0: the pool's scales [num_blocks, block_size, KVH]
     GROUP: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, USE_PDL: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    KV_QMAX: tl.constexpr,  # 0: a float pool; else an int8/fp8 pool's QMAX
+    USE_PDL: tl.constexpr,
 ):
     wait_for_producer(USE_PDL)
     tile = tl.program_id(0)
@@ -269,15 +309,15 @@ def _prefill_kernel(
     for n in range(0, full_end, BLOCK_N):
         m_i, l_i, acc = _attend_tile(
             q, m_i, l_i, acc, k_ptr, v_ptr, bt_row, kv_head_off, n, full_end, q_pos,
-            qk_scale, stride_kb, stride_kt, offs_d, d_mask,
-            BLOCK_SIZE, BLOCK_N, False, DOT_PRECISION,
+            qk_scale, stride_kb, stride_kt, offs_d, d_mask, ks_ptr + kvh, vs_ptr + kvh, stride_sb, stride_st,
+            BLOCK_SIZE, BLOCK_N, False, DOT_PRECISION, KV_QMAX,
         )
     kv_end = tl.minimum(prefix + tok0 + BLOCK_Q, ctx)  # one past the tile's last query position
     for n in range(full_end, kv_end, BLOCK_N):
         m_i, l_i, acc = _attend_tile(
             q, m_i, l_i, acc, k_ptr, v_ptr, bt_row, kv_head_off, n, kv_end, q_pos,
-            qk_scale, stride_kb, stride_kt, offs_d, d_mask,
-            BLOCK_SIZE, BLOCK_N, True, DOT_PRECISION,
+            qk_scale, stride_kb, stride_kt, offs_d, d_mask, ks_ptr + kvh, vs_ptr + kvh, stride_sb, stride_st,
+            BLOCK_SIZE, BLOCK_N, True, DOT_PRECISION, KV_QMAX,
         )
     o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     tl.store(
@@ -287,17 +327,23 @@ def _prefill_kernel(
 
 
 def _check_inputs(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor, context_lens: torch.Tensor
-) -> int:
-    """Validates the shared layout assumptions; returns the GQA group size."""
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+    context_lens: torch.Tensor, kv_scales: tuple[torch.Tensor, torch.Tensor] | None,
+) -> tuple[int, tuple, float]:
+    """Validates the shared layout assumptions; returns the GQA group size, the scale arguments
+    (k_scales, v_scales, stride_sb, stride_st) and KV_QMAX (0: a float pool)."""
     assert k_cache.shape == v_cache.shape and k_cache.is_contiguous() and v_cache.is_contiguous()
-    assert k_cache.dtype == v_cache.dtype == q.dtype, "q and the K/V pool must share a dtype"
+    k_scales, v_scales, qmax = kv_scale_args(k_cache, v_cache, kv_scales)
+    if qmax:  # an int8/fp8 tile converts to q's dtype exactly
+        assert q.dtype in (torch.float32, torch.float16, torch.bfloat16), f"q must be a float dtype, got {q.dtype}"
+    else:
+        assert k_cache.dtype == v_cache.dtype == q.dtype, "q and the K/V pool must share a dtype"
     assert q.shape[-1] == k_cache.shape[3] and q.stride(-1) == 1
     assert block_tables.dtype == torch.int32 and block_tables.stride(-1) == 1
     assert context_lens.dtype == torch.int32 and context_lens.is_contiguous()
     num_heads, num_kv_heads = q.shape[1], k_cache.shape[2]
     assert num_heads % num_kv_heads == 0, "query heads must be a multiple of KV heads"
-    return num_heads // num_kv_heads
+    return num_heads // num_kv_heads, (k_scales, v_scales, k_scales.stride(0), k_scales.stride(1)), qmax
 
 
 def _output(q: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
@@ -342,18 +388,19 @@ def paged_decode_attention(
     out: torch.Tensor | None = None,  # written in place when given (rows of a larger batch's output)
     order: torch.Tensor | None = None,  # [B] int32, a permutation of the rows: programs start in it
     rope_store: tuple | None = None,  # (positions, k, v, cos, sin, slot_mapping): see below
+    kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None,  # int8/fp8 pool: [num_blocks, block_size, KVH] fp32
 ) -> torch.Tensor:
     """Attention of each row's query over its context. With ``rope_store``, ``q`` is not rotated
     yet and the step's new token is not in the pool: the kernel rotates q and k (as
     ``rotary_store_kv``: positions [B] int, k and v [B, KVH, D], the fp32 cos/sin tables), stores
     k and v at ``slot_mapping`` [B] int64 (-1: skip) and attends to them, in one launch. q and k
-    are left as they were."""
+    are left as they were. An int8/fp8 pool stores them quantized and attends to them as stored."""
     extra = () if order is None else (order,)
     if rope_store is not None:
         extra += tuple(rope_store)
-    check_launchable(q, k_cache, v_cache, block_tables, context_lens, *extra)
+    check_launchable(q, k_cache, v_cache, block_tables, context_lens, *extra, *(kv_scales or ()))
     assert order is None or (order.dtype == torch.int32 and order.shape == context_lens.shape)
-    group = _check_inputs(q, k_cache, v_cache, block_tables, context_lens)
+    group, scale_args, qmax = _check_inputs(q, k_cache, v_cache, block_tables, context_lens, kv_scales)
     batch, num_heads, head_dim = q.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     out = _output(q, out)
@@ -385,13 +432,13 @@ def paged_decode_attention(
         q, k_cache, v_cache, block_tables, context_lens, context_lens if order is None else order,
         out, part_o, part_lse, scale * _LOG2E,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        block_tables.stride(0), out.stride(0), out.stride(1), *rope_args,
+        block_tables.stride(0), out.stride(0), out.stride(1), *rope_args, *scale_args,
         NUM_HEADS=num_heads, GROUP=group,
         BLOCK_G=max(16, next_power_of_2(group)),  # tl.dot needs at least 16 rows
         HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_SIZE=block_size,
         BLOCK_N=block_n if block_d <= 128 else block_n // 2,  # K/V stages in shared memory
         NUM_SPLITS=num_splits, HAS_ORDER=order is not None, ROPE_STORE=rope_store is not None,
-        DOT_PRECISION=_dot_precision(q.dtype),
+        DOT_PRECISION=_dot_precision(q.dtype), KV_QMAX=qmax,
         num_warps=num_warps, num_stages=num_stages, **pdl,
     )
     if num_splits > 1:
@@ -412,9 +459,10 @@ def paged_prefill_attention(
     context_lens: torch.Tensor,  # [B] int32: cached prefix + new tokens
     scale: float,
     out: torch.Tensor | None = None,  # written in place when given (rows of a larger batch's output)
+    kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None,  # int8/fp8 pool: [num_blocks, block_size, KVH] fp32
 ) -> torch.Tensor:
-    check_launchable(q, k_cache, v_cache, block_tables, query_start_loc, context_lens)
-    group = _check_inputs(q, k_cache, v_cache, block_tables, context_lens)
+    check_launchable(q, k_cache, v_cache, block_tables, query_start_loc, context_lens, *(kv_scales or ()))
+    group, scale_args, qmax = _check_inputs(q, k_cache, v_cache, block_tables, context_lens, kv_scales)
     num_tokens, _, head_dim = q.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     num_seqs = context_lens.shape[0]
@@ -430,9 +478,9 @@ def paged_prefill_attention(
     _prefill_kernel[(num_tokens // block_q + num_seqs, num_kv_heads)](
         q, k_cache, v_cache, out, block_tables, query_start_loc, context_lens, num_seqs, scale * _LOG2E,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        block_tables.stride(0), out.stride(0), out.stride(1),
+        block_tables.stride(0), out.stride(0), out.stride(1), *scale_args,
         GROUP=group, BLOCK_Q=block_q, BLOCK_M=block_m, HEAD_DIM=head_dim, BLOCK_D=block_d,
-        BLOCK_SIZE=block_size, BLOCK_N=block_n, DOT_PRECISION=_dot_precision(q.dtype),
+        BLOCK_SIZE=block_size, BLOCK_N=block_n, DOT_PRECISION=_dot_precision(q.dtype), KV_QMAX=qmax,
         num_warps=PREFILL_NUM_WARPS if block_m >= 128 else 4, num_stages=PREFILL_NUM_STAGES, **pdl_launch(q.device),
     )
     return out

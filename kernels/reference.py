@@ -2,13 +2,17 @@
 
 They favour being obviously right over being fast: attention loops over sequences and gathers
 each one's K/V from its blocks, in fp32. Tests check each Triton kernel against these, and they
-run on any device.
+run on any device. An int8/fp8 pool (``kv_scales`` given) is written with ``kv_quant.quantize_kv``
+and read back with ``kv_quant.dequantize_kv`` to fp32.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+from kernels.kv_quant import dequantize_kv, quantize_kv
+from kernels.kv_store import kv_scale_args
 
 
 def store_kv_ref(
@@ -17,20 +21,41 @@ def store_kv_ref(
     k_cache: torch.Tensor,  # [num_blocks, block_size, KVH, D]
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,  # [T] int64 flat slot; -1 = skip (padding)
+    kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None,  # int8/fp8 pool: [num_blocks, block_size, KVH] fp32
 ) -> None:
     kvh, d = k_cache.shape[2], k_cache.shape[3]
     keep = slot_mapping >= 0
     slots = slot_mapping[keep]
+    kv_scale_args(k_cache, v_cache, kv_scales)  # as the kernel: the pool's dtype says whether scales are due
+    if kv_scales is not None:
+        for x, cache, scales in ((k, k_cache, kv_scales[0]), (v, v_cache, kv_scales[1])):
+            stored, scale = quantize_kv(x[keep], cache.dtype)
+            cache.view(-1, kvh, d)[slots] = stored
+            scales.view(-1, kvh)[slots] = scale
+        return
     k_cache.view(-1, kvh, d)[slots] = k[keep].to(k_cache.dtype)
     v_cache.view(-1, kvh, d)[slots] = v[keep].to(v_cache.dtype)
 
 
 def _gather(cache: torch.Tensor, block_table: torch.Tensor, num_tokens: int) -> torch.Tensor:
-    """The first ``num_tokens`` tokens of one sequence from the pool: [num_tokens, KVH, D]."""
+    """The first ``num_tokens`` tokens of one sequence from the pool: [num_tokens, KVH, D] (or a
+    scale tensor: [num_tokens, KVH])."""
     block_size = cache.shape[1]
     pos = torch.arange(num_tokens, device=cache.device)
     blocks = block_table.to(cache.device).long()[pos // block_size]
     return cache[blocks, pos % block_size]
+
+
+def _gather_kv(
+    k_cache: torch.Tensor, v_cache: torch.Tensor, kv_scales: tuple[torch.Tensor, torch.Tensor] | None,
+    block_table: torch.Tensor, num_tokens: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One sequence's K and V, dequantized to fp32 from an int8/fp8 pool."""
+    k, v = _gather(k_cache, block_table, num_tokens), _gather(v_cache, block_table, num_tokens)
+    if kv_scales is None:
+        return k, v
+    k_scales, v_scales = (_gather(s, block_table, num_tokens) for s in kv_scales)
+    return dequantize_kv(k, k_scales, torch.float32), dequantize_kv(v, v_scales, torch.float32)
 
 
 def _attend(
@@ -67,17 +92,18 @@ def paged_decode_attention_ref(
     out: torch.Tensor | None = None,  # written in place when given
     order: torch.Tensor | None = None,  # the kernel's launch order; the result does not depend on it
     rope_store: tuple | None = None,  # (positions, k, v, cos, sin, slot_mapping): rotate q and k, store k and v first
+    kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
+    kv_scale_args(k_cache, v_cache, kv_scales)  # as the kernel: the pool's dtype says whether scales are due
     if rope_store is not None:
         positions, k_new, v_new, cos, sin, slots = rope_store
         q, k_rot = rotary_embedding_ref(positions, q, k_new, cos, sin)
-        store_kv_ref(k_rot, v_new, k_cache, v_cache, slots)
+        store_kv_ref(k_rot, v_new, k_cache, v_cache, slots, kv_scales)
     out = _zeroed(q, out)
     for b, ctx in enumerate(context_lens.tolist()):
         if ctx == 0:  # an idle (padding) row: zeros
             continue
-        k = _gather(k_cache, block_tables[b], ctx)
-        v = _gather(v_cache, block_tables[b], ctx)
+        k, v = _gather_kv(k_cache, v_cache, kv_scales, block_tables[b], ctx)
         q_pos = torch.tensor([ctx - 1], device=q.device)
         out[b] = _attend(q[b : b + 1], k, v, q_pos, scale)[0]
     return out
@@ -92,15 +118,16 @@ def paged_prefill_attention_ref(
     context_lens: torch.Tensor,  # [B] int32: cached prefix + new tokens
     scale: float,
     out: torch.Tensor | None = None,  # written in place when given
+    kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
+    kv_scale_args(k_cache, v_cache, kv_scales)  # as the kernel: the pool's dtype says whether scales are due
     out = _zeroed(q, out)
     starts = query_start_loc.tolist()
     for b, ctx in enumerate(context_lens.tolist()):
         s, e = starts[b], starts[b + 1]
         if e == s:
             continue
-        k = _gather(k_cache, block_tables[b], ctx)
-        v = _gather(v_cache, block_tables[b], ctx)
+        k, v = _gather_kv(k_cache, v_cache, kv_scales, block_tables[b], ctx)
         q_pos = torch.arange(ctx - (e - s), ctx, device=q.device)
         out[s:e] = _attend(q[s:e], k, v, q_pos, scale)
     return out
@@ -148,11 +175,12 @@ def rotary_store_kv_ref(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     q_rot, k_rot = rotary_embedding_ref(positions, q, k, cos, sin)
     q.copy_(q_rot)
     k.copy_(k_rot)
-    store_kv_ref(k, v, k_cache, v_cache, slot_mapping)
+    store_kv_ref(k, v, k_cache, v_cache, slot_mapping, kv_scales)
     return q, k
 
 

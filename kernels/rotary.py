@@ -2,13 +2,15 @@
 
 ``rotary_store_kv`` also writes the rotated k and v into the paged pool in the same program:
 the KV store needs no launch of its own (one small kernel fewer per layer, which at batch 1 is
-latency, not bytes). Both run one kernel; ``STORE_KV`` says whether it writes the pool."""
+latency, not bytes). Both run one kernel; ``STORE_KV`` says whether it writes the pool, and
+``KV_QMAX`` whether it quantizes what it writes (an int8/fp8 pool, kernels/kv_quant.py)."""
 
 from __future__ import annotations
 
 import torch
 
 from kernels._triton import check_launchable, jit, next_power_of_2, pdl_launch, tl, wait_for_producer
+from kernels.kv_store import kv_scale, kv_scale_args, quantize
 
 
 @jit
@@ -42,12 +44,26 @@ def _rotate_heads(base, stride_h, num_heads, c1, c2, s1, s2, offs, d_mask, HALF:
 
 
 @jit
+def _store_quantized_halves(cache_ptr, scale_ptr, dst, scale_dst, x1, x2, keep, h_keep,
+                            HALF: tl.constexpr, QMAX: tl.constexpr):
+    """Stores head vectors, given as their halves [H, HALF] (zero where masked), quantized with a
+    scale per head over both halves. k arrives rotated and rounded to its dtype, as the reference's."""
+    amax = tl.maximum(tl.max(tl.abs(x1.to(tl.float32)), 1), tl.max(tl.abs(x2.to(tl.float32)), 1))
+    scale = kv_scale(amax, QMAX)
+    tl.store(cache_ptr + dst, quantize(x1, scale[:, None], cache_ptr.dtype.element_ty, QMAX), mask=keep)
+    tl.store(cache_ptr + dst + HALF, quantize(x2, scale[:, None], cache_ptr.dtype.element_ty, QMAX), mask=keep)
+    tl.store(scale_ptr + scale_dst, scale, mask=h_keep)
+
+
+@jit
 def _rotary_kernel(
-    pos_ptr, q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
+    pos_ptr, q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, k_cache_ptr, v_cache_ptr, ks_ptr, vs_ptr, slot_ptr,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_cos, stride_sin,
     num_q_heads, num_k_heads,
     HEAD_DIM: tl.constexpr, HALF: tl.constexpr, BLOCK_HALF: tl.constexpr,
-    BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, STORE_KV: tl.constexpr, USE_PDL: tl.constexpr,
+    BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, STORE_KV: tl.constexpr,
+    KV_QMAX: tl.constexpr,  # 0: a float pool; else an int8/fp8 pool's QMAX, with scales at ks_ptr, vs_ptr
+    USE_PDL: tl.constexpr,
 ):
     wait_for_producer(USE_PDL)
     t = tl.program_id(0).to(tl.int64)
@@ -68,33 +84,43 @@ def _rotary_kernel(
         heads = tl.arange(0, BLOCK_HK)
         dst = tl.maximum(slot, 0) * num_k_heads * HEAD_DIM + heads[:, None] * HEAD_DIM + offs[None, :]
         keep = mask & (slot >= 0)
-        tl.store(k_cache_ptr + dst, o1.to(k_cache_ptr.dtype.element_ty), mask=keep)
-        tl.store(k_cache_ptr + dst + HALF, o2.to(k_cache_ptr.dtype.element_ty), mask=keep)
-        pv = v_ptr + t * stride_vt + heads[:, None] * stride_vh + offs[None, :]
-        v1 = tl.load(pv, mask=keep, other=0.0)
-        v2 = tl.load(pv + HALF, mask=keep, other=0.0)
-        tl.store(v_cache_ptr + dst, v1.to(v_cache_ptr.dtype.element_ty), mask=keep)
-        tl.store(v_cache_ptr + dst + HALF, v2.to(v_cache_ptr.dtype.element_ty), mask=keep)
+        if KV_QMAX > 0:
+            h_keep = (heads < num_k_heads) & (slot >= 0)
+            scale_dst = tl.maximum(slot, 0) * num_k_heads + heads
+            _store_quantized_halves(k_cache_ptr, ks_ptr, dst, scale_dst, o1, o2, keep, h_keep, HALF, KV_QMAX)
+            pv = v_ptr + t * stride_vt + heads[:, None] * stride_vh + offs[None, :]
+            v1 = tl.load(pv, mask=keep, other=0.0)
+            v2 = tl.load(pv + HALF, mask=keep, other=0.0)
+            _store_quantized_halves(v_cache_ptr, vs_ptr, dst, scale_dst, v1, v2, keep, h_keep, HALF, KV_QMAX)
+        else:
+            tl.store(k_cache_ptr + dst, o1.to(k_cache_ptr.dtype.element_ty), mask=keep)
+            tl.store(k_cache_ptr + dst + HALF, o2.to(k_cache_ptr.dtype.element_ty), mask=keep)
+            pv = v_ptr + t * stride_vt + heads[:, None] * stride_vh + offs[None, :]
+            v1 = tl.load(pv, mask=keep, other=0.0)
+            v2 = tl.load(pv + HALF, mask=keep, other=0.0)
+            tl.store(v_cache_ptr + dst, v1.to(v_cache_ptr.dtype.element_ty), mask=keep)
+            tl.store(v_cache_ptr + dst + HALF, v2.to(v_cache_ptr.dtype.element_ty), mask=keep)
 
 
 def _launch(positions, q, k, cos, sin, kv_store=None) -> None:
-    """Checks the shared layout and runs the kernel; ``kv_store`` = (v, k_cache, v_cache, slot_mapping)."""
+    """Checks the shared layout and runs the kernel; ``kv_store`` = (v, k_cache, v_cache, slot_mapping, kv_scales)."""
     num_tokens, num_q_heads, head_dim = q.shape
     num_k_heads = k.shape[1]
     assert head_dim % 2 == 0 and k.shape == (num_tokens, num_k_heads, head_dim)
     assert q.stride(-1) == 1 and k.stride(-1) == 1 and cos.stride(-1) == 1 and sin.stride(-1) == 1
     assert cos.shape[-1] == head_dim and sin.shape == cos.shape
-    v, k_cache, v_cache, slots = kv_store if kv_store is not None else (k, k, k, positions)  # unused when not storing
+    v, k_cache, v_cache, slots, kv_scales = kv_store if kv_store is not None else (k, k, k, positions, None)
+    k_scales, v_scales, qmax = kv_scale_args(k_cache, v_cache, kv_scales)  # all unused when not storing
     if num_tokens == 0:
         return
     half = head_dim // 2
     _rotary_kernel[(num_tokens,)](
-        positions, q, k, v, cos, sin, k_cache, v_cache, slots,
+        positions, q, k, v, cos, sin, k_cache, v_cache, k_scales, v_scales, slots,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         cos.stride(0), sin.stride(0), num_q_heads, num_k_heads,
         HEAD_DIM=head_dim, HALF=half, BLOCK_HALF=next_power_of_2(half),
         BLOCK_HQ=next_power_of_2(num_q_heads), BLOCK_HK=next_power_of_2(num_k_heads),
-        STORE_KV=kv_store is not None, num_warps=4, **pdl_launch(q.device),
+        STORE_KV=kv_store is not None, KV_QMAX=qmax, num_warps=4, **pdl_launch(q.device),
     )
 
 
@@ -121,12 +147,13 @@ def rotary_store_kv(
     k_cache: torch.Tensor,  # [num_blocks, block_size, KVH, D]
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,  # [T] int64 flat slot; -1 = skip
+    kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None,  # int8/fp8 pool: [num_blocks, block_size, KVH] fp32
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``rotary_embedding`` then ``store_kv`` in one launch; returns the rotated (q, k)."""
-    check_launchable(positions, q, k, v, cos, sin, k_cache, v_cache, slot_mapping)
+    check_launchable(positions, q, k, v, cos, sin, k_cache, v_cache, slot_mapping, *(kv_scales or ()))
     assert v.shape == k.shape and v.stride(-1) == 1
     assert k_cache.shape[2:] == k.shape[1:] and v_cache.shape == k_cache.shape
     assert k_cache.is_contiguous() and v_cache.is_contiguous()
     assert slot_mapping.shape == (q.shape[0],) and slot_mapping.is_contiguous()
-    _launch(positions, q, k, cos, sin, (v, k_cache, v_cache, slot_mapping))
+    _launch(positions, q, k, cos, sin, (v, k_cache, v_cache, slot_mapping, kv_scales))
     return q, k

@@ -3,7 +3,8 @@
 The interpreter runs kernels as Python, so it misses what only the compiler sees (types that
 change across a loop, layouts, shared memory). This lowers each kernel, at Llama-3.1-8B shapes
 in bf16, through Triton's own pipeline to a cubin with the bundled ptxas, and prints one line
-per kernel with its shared memory and whether its K/V loads were software-pipelined.
+per kernel with its shared memory and whether its K/V loads were software-pipelined. The kernels
+that read or write the KV pool are also lowered for an int8 and an fp8 (e4m3) pool with bf16 q.
 
 Must run without TRITON_INTERPRET (the kernels must be decorated for compilation).
 """
@@ -13,14 +14,20 @@ from __future__ import annotations
 import os
 import sys
 
+import torch
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from kernels import activation, kv_store, matmul, paged_attention, rmsnorm, rotary, skinny
+from kernels.kv_quant import QMAX
 
 TARGET = GPUTarget("cuda", 90, 32)
 P = "*bf16"
+# A pool's element type -> its kernels' KV_QMAX (0: a float pool, no scales)
+POOLS = {P: 0.0, "*i8": QMAX[torch.int8], "*fp8e4nv": QMAX[torch.float8_e4m3fn]}
+# Launch arguments not divisible by 16 at these shapes: a scale's token stride is KVH (8).
+NOT_DIVISIBLE = {"stride_st"}
 
 
 class C:
@@ -39,7 +46,7 @@ def compile_kernel(fn, args: dict, num_warps: int = 4, num_stages: int = 3):
             signature[name], constexprs[name] = "constexpr", value.value
         else:
             signature[name] = value
-            if value.startswith("*") or name.startswith("stride") or name in ("N", "K"):
+            if value.startswith("*") or (name.startswith("stride") and name not in NOT_DIVISIBLE) or name in ("N", "K"):
                 # What a real launch specialises: pointers, strides and matrix sizes divisible by 16.
                 attrs[(i,)] = [["tt.divisibility", 16]]
     src = ASTSource(fn, signature, constexprs, attrs)
@@ -47,11 +54,18 @@ def compile_kernel(fn, args: dict, num_warps: int = 4, num_stages: int = 3):
                           options={"num_warps": num_warps, "num_stages": num_stages, "launch_pdl": True})
 
 
-def _decode_args(splits: int, block_n: int = paged_attention.DECODE_BLOCK_N) -> dict:
+def _scale_args(pool: str) -> dict:
+    """A quantized pool's scale pointers and strides; a float pool's launch passes its caches."""
+    scales = "*fp32" if POOLS[pool] else P
+    return dict(ks_ptr=scales, vs_ptr=scales, stride_sb="i32", stride_st="i32", KV_QMAX=C(POOLS[pool]))
+
+
+def _decode_args(splits: int, block_n: int = paged_attention.DECODE_BLOCK_N, pool: str = P) -> dict:
     part = "*fp32" if splits > 1 else P
     return dict(
-        q_ptr=P, k_ptr=P, v_ptr=P, bt_ptr="*i32", ctx_ptr="*i32", order_ptr="*i32", out_ptr=P,
+        q_ptr=P, k_ptr=pool, v_ptr=pool, bt_ptr="*i32", ctx_ptr="*i32", order_ptr="*i32", out_ptr=P,
         part_o_ptr=part, part_lse_ptr=part, HAS_ORDER=C(True), ROPE_STORE=C(True),  # as a decode graph launches it
+        **_scale_args(pool),
         pos_ptr="*i64", kn_ptr=P, vn_ptr=P, cos_ptr="*fp32", sin_ptr="*fp32", slot_ptr="*i64", stride_knb="i32",
         stride_knh="i32", stride_vnb="i32", stride_vnh="i32", stride_cos="i32", stride_sin="i32",
         qk_scale="fp32", stride_qb="i32", stride_qh="i32", stride_kb="i32", stride_kt="i32", stride_kh="i32",
@@ -61,9 +75,10 @@ def _decode_args(splits: int, block_n: int = paged_attention.DECODE_BLOCK_N) -> 
     )
 
 
-def _prefill_args(group: int) -> dict:
+def _prefill_args(group: int, pool: str = P) -> dict:
     return dict(
-        q_ptr=P, k_ptr=P, v_ptr=P, out_ptr=P, bt_ptr="*i32", qsl_ptr="*i32", ctx_ptr="*i32", num_seqs="i32",
+        q_ptr=P, k_ptr=pool, v_ptr=pool, out_ptr=P, bt_ptr="*i32", qsl_ptr="*i32", ctx_ptr="*i32", num_seqs="i32",
+        **_scale_args(pool),
         qk_scale="fp32", stride_qt="i32", stride_qh="i32", stride_kb="i32", stride_kt="i32", stride_kh="i32",
         stride_bt="i32", stride_ot="i32", stride_oh="i32", GROUP=C(group),
         BLOCK_Q=C(paged_attention.PREFILL_BLOCK_M // group), BLOCK_M=C(paged_attention.PREFILL_BLOCK_M),
@@ -76,6 +91,36 @@ def _prefill_launch() -> tuple[int, int]:
     """Warps and stages as paged_prefill_attention launches the kernel."""
     warps = paged_attention.PREFILL_NUM_WARPS if paged_attention.PREFILL_BLOCK_M >= 128 else 4
     return warps, paged_attention.PREFILL_NUM_STAGES
+
+
+def _rotary_args(pool: str, store: bool = True) -> dict:
+    return dict(
+        pos_ptr="*i64", q_ptr=P, k_ptr=P, v_ptr=P, cos_ptr="*fp32", sin_ptr="*fp32", k_cache_ptr=pool,
+        v_cache_ptr=pool, **_scale_args(pool), slot_ptr="*i64", stride_qt="i32", stride_qh="i32", stride_kt="i32",
+        stride_kh="i32", stride_vt="i32", stride_vh="i32", stride_cos="i32", stride_sin="i32", num_q_heads="i32",
+        num_k_heads="i32", HEAD_DIM=C(128), HALF=C(64), BLOCK_HALF=C(64), BLOCK_HQ=C(32), BLOCK_HK=C(8),
+        STORE_KV=C(store),
+    )
+
+
+def quantized_cases() -> list[tuple]:
+    """The pool's readers and writers for int8 and fp8 pools (bf16 q, k, v)."""
+    cases = []
+    for pool, name in (("*i8", "int8"), ("*fp8e4nv", "fp8")):
+        cases += [
+            (f"decode {name}, 1 split", paged_attention._decode_kernel, _decode_args(1, pool=pool),
+             paged_attention.DECODE_NUM_WARPS, paged_attention.DECODE_NUM_STAGES, True),
+            (f"decode {name}, 8 splits", paged_attention._decode_kernel,
+             _decode_args(8, paged_attention.DECODE_NARROW[0], pool), *paged_attention.DECODE_NARROW[1:], True),
+            (f"prefill {name}, group 4", paged_attention._prefill_kernel, _prefill_args(4, pool), *_prefill_launch(),
+             True),
+            (f"store_kv {name}", kv_store._store_kv_quant_kernel, dict(
+                k_ptr=P, v_ptr=P, k_cache_ptr=pool, v_cache_ptr=pool, ks_ptr="*fp32", vs_ptr="*fp32",
+                slot_ptr="*i64", stride_kt="i32", stride_vt="i32", NUM_KV_HEADS=C(8), HEAD_DIM=C(128),
+                BLOCK_H=C(8), BLOCK_D=C(128), QMAX=C(POOLS[pool])), 4, 3, False),
+            (f"rotary + store_kv {name}", rotary._rotary_kernel, _rotary_args(pool), 4, 3, False),
+        ]
+    return cases
 
 
 def main() -> int:
@@ -96,12 +141,7 @@ def main() -> int:
         ("rms_norm + residual", rmsnorm._rms_norm_kernel, dict(
             x_ptr=P, res_ptr=P, w_ptr=P, out_ptr=P, res_out_ptr=P, stride_x="i32", stride_r="i32",
             stride_o="i32", stride_ro="i32", n_cols="i32", eps="fp32", HAS_RESIDUAL=C(True), BLOCK=C(4096)), 8, 3, False),
-        *((label, rotary._rotary_kernel, dict(
-            pos_ptr="*i64", q_ptr=P, k_ptr=P, v_ptr=P, cos_ptr="*fp32", sin_ptr="*fp32", k_cache_ptr=P,
-            v_cache_ptr=P, slot_ptr="*i64", stride_qt="i32", stride_qh="i32", stride_kt="i32", stride_kh="i32",
-            stride_vt="i32", stride_vh="i32", stride_cos="i32", stride_sin="i32", num_q_heads="i32",
-            num_k_heads="i32", HEAD_DIM=C(128), HALF=C(64), BLOCK_HALF=C(64), BLOCK_HQ=C(32), BLOCK_HK=C(8),
-            STORE_KV=C(store)), 4, 3, False)
+        *((label, rotary._rotary_kernel, _rotary_args(P, store), 4, 3, False)
           for label, store in (("rotary", False), ("rotary + store_kv", True))),
         *(("skinny matmul %dx%d" % (c.kwargs["BLOCK_N"], c.kwargs["BLOCK_K"]), skinny._skinny_matmul_kernel,
             dict(x_ptr=P, w_ptr=P, b_ptr=P, out_ptr=P, M="i32", N="i32", K="i32", stride_xm="i32", stride_wn="i32",
@@ -118,6 +158,7 @@ def main() -> int:
             SPLIT_K=C(2), BLOCK=C(matmul.REDUCE_BLOCK)), 4, 3, False),
         ("silu_and_mul", activation._silu_and_mul_kernel, dict(
             x_ptr=P, out_ptr=P, stride_x="i32", stride_o="i32", n_inter="i32", BLOCK=C(1024)), 4, 3, False),
+        *quantized_cases(),
     ]
     failed = 0
     for label, fn, args, num_warps, num_stages, must_pipeline in cases:
@@ -126,7 +167,7 @@ def main() -> int:
         waits = "griddepcontrol.wait" in kernel.asm["ptx"]
         ok = (pipelined or not must_pipeline) and waits
         failed += not ok
-        print(f"{'ok' if ok else 'FAIL':4} {label:22} shared={kernel.metadata.shared:6d} pipelined={pipelined} "
+        print(f"{'ok' if ok else 'FAIL':4} {label:26} shared={kernel.metadata.shared:6d} pipelined={pipelined} "
               f"waits_for_producer={waits}")
     return 1 if failed else 0
 

@@ -12,6 +12,7 @@ from kernels import (  # noqa: E402
     store_kv,
 )
 from kernels import paged_attention  # noqa: E402
+from tests.kernels.test_kv_quant import QUANT_DTYPES, e4m3_exact, quantized_pool  # noqa: E402
 
 # (query heads, KV heads): GQA ratio 2, plain multi-head, and a group of 3 (not a power of two).
 HEADS = [(4, 2), (2, 2), (6, 2)]
@@ -87,6 +88,17 @@ def test_decode_in_a_given_order_of_sequences(num_splits):
         paged_decode_attention(q, k_cache, v_cache, tables, ctx, 0.25, order=order.long())
 
 
+def _decode_step(context_lens, block_size, num_blocks):
+    """A decode step's block tables and context lengths, and each row's new token's position and
+    slot (the last of its context; -1 for an idle row of context 0)."""
+    tables = _block_tables(context_lens, block_size, num_blocks)
+    ctx = torch.tensor(context_lens, dtype=torch.int32)
+    positions = (ctx - 1).clamp(min=0).long()
+    slots = torch.tensor([-1 if c == 0 else int(tables[i, (c - 1) // block_size]) * block_size + (c - 1) % block_size
+                          for i, c in enumerate(context_lens)])
+    return tables, ctx, positions, slots
+
+
 @pytest.mark.parametrize("num_splits", [1, 3, None])
 @pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 2), (6, 2)])
 def test_decode_with_rotary_and_kv_store_fused(tiles, num_heads, num_kv_heads, num_splits):
@@ -98,11 +110,7 @@ def test_decode_with_rotary_and_kv_store_fused(tiles, num_heads, num_kv_heads, n
     block_size, head_dim = 4, 16
     context_lens = [37, 0, 1, 70, 5]
     k_cache, v_cache = _pool(40, block_size, num_kv_heads, head_dim, torch.float32)
-    tables = _block_tables(context_lens, block_size, 40)
-    ctx = torch.tensor(context_lens, dtype=torch.int32)
-    positions = (ctx - 1).clamp(min=0).long()
-    slots = torch.tensor([-1 if c == 0 else int(tables[i, (c - 1) // block_size]) * block_size + (c - 1) % block_size
-                          for i, c in enumerate(context_lens)])
+    tables, ctx, positions, slots = _decode_step(context_lens, block_size, 40)
     q = torch.randn(len(context_lens), num_heads, head_dim)
     k = torch.randn(len(context_lens), num_kv_heads, head_dim)
     v = torch.randn_like(k)
@@ -249,3 +257,121 @@ def test_out_of_the_wrong_shape_or_dtype_is_refused():
     for bad in (torch.empty(2, 4, 16), torch.empty(1, 4, 16, dtype=torch.float16), torch.empty(1, 16, 4).transpose(1, 2)):
         with pytest.raises(ValueError, match="out must be"):
             paged_decode_attention(q, k_cache, v_cache, tables, ctx, 0.25, out=bad)
+
+
+# An int8 or fp8 pool: each kernel reads it dequantizing in registers, against the reference's
+# attention over the dequantized pool (in fp32; the kernels scale scores and p by the scales).
+# The tile sizes change nothing quantized: the GPU's and small ones (many tiles and splits) will do.
+QUANT_TILES = pytest.mark.parametrize("tiles", ["default_tiles", "small_tiles"], indirect=True)
+
+
+@QUANT_TILES
+@pytest.mark.parametrize("num_splits", [1, 3])
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 2), (6, 2)])
+@pytest.mark.parametrize("cache_dtype", QUANT_DTYPES)
+def test_decode_over_a_quantized_pool(tiles, cache_dtype, num_heads, num_kv_heads, num_splits):
+    context_lens = [37, 0, 1, 70]
+    k_cache, v_cache, kv_scales = quantized_pool(40, 4, num_kv_heads, 16, cache_dtype)
+    tables = _block_tables(context_lens, 4, 40)
+    ctx = torch.tensor(context_lens, dtype=torch.int32)
+    q = torch.randn(len(context_lens), num_heads, 16)
+
+    got = paged_decode_attention(q, k_cache, v_cache, tables, ctx, 0.25, num_splits=num_splits, kv_scales=kv_scales)
+    want = paged_decode_attention_ref(q, k_cache, v_cache, tables, ctx, 0.25, kv_scales=kv_scales)
+
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
+    assert torch.equal(got[1], torch.zeros_like(got[1]))
+
+
+@pytest.mark.parametrize("cache_dtype", QUANT_DTYPES)
+def test_decode_and_prefill_fp16_over_a_quantized_pool(cache_dtype):
+    # q in fp16 and the pool in int8/fp8: each tile converts to fp16 exactly, p * scale is rounded to fp16.
+    context_lens = [50, 17, 3]
+    k_cache, v_cache, kv_scales = quantized_pool(12, 16, 2, 32, cache_dtype)
+    tables = _block_tables(context_lens, 16, 12)
+    ctx = torch.tensor(context_lens, dtype=torch.int32)
+    q = torch.randn(3, 4, 32).half()
+    want = paged_decode_attention_ref(q, k_cache, v_cache, tables, ctx, 32**-0.5, kv_scales=kv_scales)
+    for num_splits in (1, 4):
+        got = paged_decode_attention(q, k_cache, v_cache, tables, ctx, 32**-0.5, num_splits=num_splits,
+                                     kv_scales=kv_scales)
+        torch.testing.assert_close(got, want, atol=2e-3, rtol=2e-3)
+    qp = torch.randn(20, 4, 32).half()
+    qsl = torch.tensor([0, 10, 17, 20], dtype=torch.int32)  # chunks after cached prefixes of 40, 7 and 0
+    got = paged_prefill_attention(qp, k_cache, v_cache, tables, qsl, ctx, 32**-0.5, kv_scales=kv_scales)
+    want = paged_prefill_attention_ref(qp, k_cache, v_cache, tables, qsl, ctx, 32**-0.5, kv_scales=kv_scales)
+    torch.testing.assert_close(got, want, atol=2e-3, rtol=2e-3)
+
+
+@QUANT_TILES
+@pytest.mark.parametrize("num_splits", [1, 3])
+@pytest.mark.parametrize("cache_dtype", QUANT_DTYPES)
+def test_decode_with_rotary_and_kv_store_fused_into_a_quantized_pool(tiles, cache_dtype, num_splits):
+    # The new token is stored quantized and attended as stored: the output equals the unfused path
+    # (rotate, store, then attend over the pool), i.e. what the next step reading the pool computes.
+    from kernels import rotary_embedding_ref
+
+    block_size, head_dim, num_heads, num_kv_heads = 4, 16, 6, 2
+    context_lens = [37, 0, 1, 70, 5]
+    k_cache, v_cache, kv_scales = quantized_pool(40, block_size, num_kv_heads, head_dim, cache_dtype)
+    tables, ctx, positions, slots = _decode_step(context_lens, block_size, 40)
+    q = torch.randn(len(context_lens), num_heads, head_dim)
+    if cache_dtype == torch.int8:
+        k, v = torch.randn(2, len(context_lens), num_kv_heads, head_dim)
+        angles = torch.rand(128, head_dim // 2) * 6.0
+        cos, sin = torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1)
+    else:  # fp8: rotations by multiples of 90 degrees keep k on the grid its cast stores exactly (e4m3_exact)
+        k, v = e4m3_exact((2, len(context_lens), num_kv_heads, head_dim))
+        cos = torch.tensor([1.0, 0.0, -1.0, 0.0]).repeat(32)[:, None].expand(128, head_dim).contiguous()
+        sin = torch.tensor([0.0, 1.0, 0.0, -1.0]).repeat(32)[:, None].expand(128, head_dim).contiguous()
+    want_k, want_v, want_scales = k_cache.clone(), v_cache.clone(), tuple(s.clone() for s in kv_scales)
+    rope = (positions, k, v, cos, sin, slots)
+
+    got = paged_decode_attention(q, k_cache, v_cache, tables, ctx, 0.3, num_splits=num_splits, rope_store=rope,
+                                 kv_scales=kv_scales)
+    want = paged_decode_attention_ref(q, want_k, want_v, tables, ctx, 0.3, rope_store=rope, kv_scales=want_scales)
+
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
+    assert torch.equal(v_cache.float(), want_v.float()) and torch.equal(kv_scales[1], want_scales[1])
+    # k is rotated in fp32 by both, up to rounding: a stored value may sit one step off at a half.
+    torch.testing.assert_close(kv_scales[0], want_scales[0], atol=0, rtol=1e-6)
+    assert (k_cache.float() - want_k.float()).abs().max() <= (1 if cache_dtype == torch.int8 else 0)
+    q_rot, _ = rotary_embedding_ref(positions, q, k, cos, sin)
+    unfused = paged_decode_attention(q_rot, k_cache, v_cache, tables, ctx, 0.3, num_splits=num_splits,
+                                     kv_scales=kv_scales)
+    torch.testing.assert_close(got, unfused, atol=1e-5, rtol=1e-4)
+
+
+@QUANT_TILES
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 2), (6, 2)])
+@pytest.mark.parametrize("cache_dtype", QUANT_DTYPES)
+def test_prefill_over_a_quantized_pool(tiles, cache_dtype, num_heads, num_kv_heads):
+    context_lens = [p + n for p, n in zip(PREFIXES, Q_LENS)]
+    num_blocks = sum(-(-c // 4) for c in context_lens) + 3
+    k_cache, v_cache, kv_scales = quantized_pool(num_blocks, 4, num_kv_heads, 16, cache_dtype)
+    tables = _block_tables(context_lens, 4, num_blocks, extra_width=2)
+    query_start = torch.tensor([0] + Q_LENS, dtype=torch.int32).cumsum(0, dtype=torch.int32)
+    ctx = torch.tensor(context_lens, dtype=torch.int32)
+    q = torch.randn(sum(Q_LENS), num_heads, 16)
+
+    got = paged_prefill_attention(q, k_cache, v_cache, tables, query_start, ctx, 0.25, kv_scales=kv_scales)
+    want = paged_prefill_attention_ref(q, k_cache, v_cache, tables, query_start, ctx, 0.25, kv_scales=kv_scales)
+
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
+
+
+def test_a_quantized_pool_needs_its_scales():
+    k_cache, v_cache, kv_scales = quantized_pool(8, 4, 2, 16, torch.int8)
+    tables = _block_tables([5], 4, 8)
+    ctx = torch.tensor([5], dtype=torch.int32)
+    q = torch.randn(1, 4, 16)
+    qsl = torch.tensor([0, 1], dtype=torch.int32)
+    with pytest.raises(AssertionError, match="needs kv_scales"):
+        paged_decode_attention(q, k_cache, v_cache, tables, ctx, 0.25)
+    with pytest.raises(AssertionError, match="needs kv_scales"):
+        paged_prefill_attention(q, k_cache, v_cache, tables, qsl, ctx, 0.25)
+    float_pool = _pool(8, 4, 2, 16, torch.float32)
+    with pytest.raises(AssertionError, match="only int8/fp8 caches have scales"):
+        paged_decode_attention(q, *float_pool, tables, ctx, 0.25, kv_scales=kv_scales)
+    with pytest.raises(AssertionError, match="only int8/fp8 caches have scales"):
+        paged_prefill_attention(q, *float_pool, tables, qsl, ctx, 0.25, kv_scales=kv_scales)

@@ -42,7 +42,7 @@ class TritonAttentionBackend(AttentionBackend):
             meta.extra["prefill_context_lens"] = ctx[nd:]
             meta.extra["prefill_query_start"] = to_device([q - qs[nd] for q in qs[nd:]], device)
 
-    def forward(self, q, k, v, k_cache, v_cache, meta, scale, rope=None):
+    def forward(self, q, k, v, k_cache, v_cache, meta, scale, rope=None, kv_scales=None):
         from kernels import paged_decode_attention, paged_prefill_attention, rotary_store_kv, store_kv
 
         nd = meta.num_decodes
@@ -51,22 +51,24 @@ class TritonAttentionBackend(AttentionBackend):
         def decode(rows: torch.Tensor, **kw) -> torch.Tensor:
             return paged_decode_attention(rows, k_cache, v_cache, extra["decode_block_tables"],
                                           extra["decode_context_lens"], scale, extra["decode_num_splits"],
-                                          order=extra["decode_order"], **kw)
+                                          order=extra["decode_order"], kv_scales=kv_scales, **kw)
 
         decodes_only = "prefill_query_start" not in extra  # (the CUDA-graph case)
         if decodes_only and rope is not None:  # rotary, KV store and attention: one launch
             positions, rotary = rope
             return decode(q, rope_store=(positions, k, v, rotary.cos, rotary.sin, meta.slot_mapping))
         if rope is None:
-            store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+            store_kv(k, v, k_cache, v_cache, meta.slot_mapping, kv_scales=kv_scales)
         else:  # rotate q and k and store k and v: one launch
             positions, rotary = rope
-            rotary_store_kv(positions, q, k, v, rotary.cos, rotary.sin, k_cache, v_cache, meta.slot_mapping)
+            rotary_store_kv(positions, q, k, v, rotary.cos, rotary.sin, k_cache, v_cache, meta.slot_mapping,
+                            kv_scales=kv_scales)
         if decodes_only:
             return decode(q)
         out = torch.empty_like(q)  # both kernels write their rows of it in place
         if nd:
             decode(q[:nd], out=out[:nd])
         paged_prefill_attention(q[nd:], k_cache, v_cache, extra["prefill_block_tables"],
-                                extra["prefill_query_start"], extra["prefill_context_lens"], scale, out=out[nd:])
+                                extra["prefill_query_start"], extra["prefill_context_lens"], scale, out=out[nd:],
+                                kv_scales=kv_scales)
         return out
