@@ -129,7 +129,20 @@ def test_lookahead_and_preemption_keep_the_matchers_right(make_engine, prompt, p
                 for i in (0, 3, 5)]
     requests += [(p, SamplingParams(max_tokens=16, temperature=0)) for p in prompt_ids[:3]]
     expected = _run(make_engine(), requests)
-    assert _run(make_engine(async_scheduling=True), requests) == expected
+    ahead = make_engine(async_scheduling=True)
+    # Constrained batches look ahead too: the forward launched before the step before is read,
+    # the sampling (and its masks) once the matchers have taken that step's tokens.
+    deferred = [0]
+    original = ahead.runner.sample_launched
+
+    def spy(logits, samplers, **kw):
+        deferred[0] += ahead._inflight is not None and ahead._inflight.tokens is None
+        return original(logits, samplers, **kw)
+
+    ahead.runner.sample_launched = spy
+    assert _run(ahead, requests) == expected
+    assert deferred[0] >= 10, deferred[0]
+    ahead.check_integrity()
     small = make_engine(num_kv_blocks=8, max_num_seqs=16)  # too few blocks for all: some are preempted
     assert _run(small, requests) == expected
     assert small.scheduler.num_preemptions > 0

@@ -17,9 +17,14 @@ then reads N's tokens and post-processes them:
 A sequence whose pending token is its last by length is left out of N+1. One that N's token
 finishes otherwise (EOS, a stop string) was computed once more in N+1 for nothing; that result is
 dropped (its blocks are already freed, and a block freed while N+1 runs is only handed out by a
-later schedule, whose step the device runs after N+1). A step whose sampled rows want logprobs,
-or have a structured output (whose mask for N+1 needs N's token in the matcher), takes the plain
-path (scheduled, then run once N's tokens are in).
+later schedule, whose step the device runs after N+1). A step whose sampled rows want logprobs takes
+the plain path (scheduled, then run once N's tokens are in). One with structured outputs, whose
+masks for N+1 need N's tokens in the matchers, looks ahead in two parts: N+1's forward is
+launched before N is read, and its sampling (masks filled on the host meanwhile) once N's tokens
+are in:
+
+    host:    schedule+launch forward N+1, read N, postprocess N (matchers take N), masks, sample N+1
+    device:  ... N ...|...... forward N+1 ......................................|sample N+1|
 
 AsyncEngine (async_engine.py) drives it from a background thread for servers.
 """
@@ -167,7 +172,7 @@ class LLMEngine:
 
     def _can_look_ahead(self, batch: list[ScheduledSeq]) -> bool:
         return (self.config.async_scheduling and self.runner.tp.size == 1
-                and all(it.seq.params.logprobs is None and it.seq.matcher is None for it in batch if it.samples)
+                and all(it.seq.params.logprobs is None for it in batch if it.samples)
                 and not any(_wants_prompt_logprobs(it.seq) for it in batch))
 
     def _launch(self, batch: list[ScheduledSeq], prev: _InFlight | None = None) -> None:
@@ -176,9 +181,13 @@ class LLMEngine:
         if prev is not None:
             prev_index = {id(it.seq): i for i, it in enumerate(it for it in prev.batch if it.samples)}
         samplers = [it.seq for it in batch if it.samples]
-        tokens = self.runner.launch(self.runner.prepare(batch, prev_index), samplers,
-                                    prev.tokens.device if prev is not None else None)
-        self._inflight = _InFlight(batch, tokens)
+        inputs = self.runner.prepare(batch, prev_index)
+        if prev is not None and any(seq.matcher is not None for seq in samplers):
+            # Structured outputs: the forward now, the sampling once prev's tokens are in the matchers.
+            self._inflight = _InFlight(batch, None, self.runner.forward_ahead(inputs, prev.tokens.device), samplers)
+        else:
+            tokens = self.runner.launch(inputs, samplers, prev.tokens.device if prev is not None else None)
+            self._inflight = _InFlight(batch, tokens)
         for it in batch:
             # Blocks whose tokens are all known can be found by the next schedule already: any
             # step that reads them runs on the device after this one has written them.
@@ -219,6 +228,14 @@ class LLMEngine:
         it = iter(tokens)
         outputs += self._postprocess(current.batch, [(next(it), None) if item.samples else None
                                                      for item in current.batch], looked_ahead=True)
+        launched = self._inflight
+        if launched is not None and launched.tokens is None:  # its sampling waited for these tokens
+            try:
+                launched.tokens = self.runner.sample_launched(launched.logits, launched.samplers)
+                launched.logits = launched.samplers = None
+            except Exception as exc:
+                self._inflight = None
+                outputs += self._fail(launched.batch, exc)
         if batch:  # scheduled, not launched (logprobs wanted): a plain step, now that N's tokens are in
             batch = [item for item in batch if not item.seq.finished]
             if batch:
@@ -357,7 +374,9 @@ def build_model(config: EngineConfig, source, model_cfg: ModelConfig) -> LlamaFo
 @dataclass
 class _InFlight:
     batch: list[ScheduledSeq]
-    tokens: PendingTokens  # its tokens, one per sequence, not yet read
+    tokens: PendingTokens | None  # its tokens, one per sequence, not yet read (None: not sampled yet)
+    logits: torch.Tensor | None = None  # until sampled: the sampled rows' logits, and their sequences
+    samplers: list[Sequence] | None = None
 
 
 def _wants_prompt_logprobs(seq: Sequence) -> bool:

@@ -174,6 +174,13 @@ class ModelRunner:
         """Enqueue one step (no sampled row wants logprobs) and return its tokens unread, one per
         sampled row (``samplers``: their sequences, in row order): the host goes on while the
         device works. ``prev_tokens``: the step before's (on the device), feeding ``ahead_rows``."""
+        return self.sample_launched(self.forward_ahead(inputs, prev_tokens), samplers, counted=0)
+
+    @torch.inference_mode()
+    def forward_ahead(self, inputs: StepInputs, prev_tokens: torch.Tensor | None = None) -> torch.Tensor | None:
+        """``launch``'s forward alone: the logits of the sampled rows, enqueued, not read (None when
+        no row samples). A batch with structured outputs samples them later (``sample_launched``),
+        once the matchers have taken the step before's tokens."""
         ids = None
         if inputs.ahead_rows is not None:
             n, rows, prev = len(inputs.input_ids), inputs.ahead_rows, inputs.prev_rows
@@ -184,11 +191,19 @@ class ModelRunner:
                 ids.index_copy_(0, to_device(rows, self.device, torch.long),
                                 prev_tokens.index_select(0, to_device(prev, self.device, torch.long)))
         logits, _ = self.execute(inputs, ids)
+        return logits
+
+    @torch.inference_mode()
+    def sample_launched(self, logits: torch.Tensor | None, samplers: list, counted: int = 1) -> "PendingTokens":
+        """Enqueue the sampling of ``forward_ahead``'s logits; the tokens come back unread. (Under
+        CUDA graphs the logits are the graph's output buffer: sampled before the next replay.)
+        ``counted``: 1 when the sequences count the tokens drawn here as pending already (the
+        engine counts them at launch), which the seeds and ``min_tokens`` must not count twice."""
         if logits is None:  # prefill chunks only: nothing samples
             return PendingTokens(torch.empty(0, dtype=torch.long, device=self.device))
         params = [s.params for s in samplers]
-        return PendingTokens(sample_tokens(steer(logits, params, self._hold(samplers), self._grammar(samplers)),
-                                           params, [s.next_generator(logits.device) for s in samplers]))
+        return PendingTokens(sample_tokens(steer(logits, params, self._hold(samplers, counted), self._grammar(samplers)),
+                                           params, [s.next_generator(logits.device, counted) for s in samplers]))
 
     @torch.inference_mode()
     def execute(self, inputs: StepInputs, ids: torch.Tensor | None = None
@@ -246,13 +261,14 @@ class ModelRunner:
             at += count
         return out
 
-    def _hold(self, seqs: list) -> list[list[int] | None]:
+    def _hold(self, seqs: list, counted: int = 0) -> list[list[int] | None]:
         """Per sampled sequence, the token ids it may not sample yet: under ``min_tokens`` (its
-        tokens so far, those in flight included), EOS (unless ignored) and its stop ids."""
+        tokens so far, those in flight included; ``counted``: as in ``sample_launched``), EOS
+        (unless ignored) and its stop ids."""
         out: list[list[int] | None] = []
         for seq in seqs:
             p = seq.params
-            if p.min_tokens and seq.num_output_tokens + seq.num_pending_tokens < p.min_tokens:
+            if p.min_tokens and seq.num_output_tokens + seq.num_pending_tokens - counted < p.min_tokens:
                 ids = set(p.stop_token_ids) | (set() if p.ignore_eos else self.eos_token_ids)
                 out.append(sorted(ids) or None)
             else:

@@ -64,16 +64,17 @@ class Sequence:
         if not self.token_ids:
             self.token_ids = list(self.prompt_token_ids)
 
-    def next_generator(self, device: torch.device) -> torch.Generator | None:
+    def next_generator(self, device: torch.device, counted: int = 0) -> torch.Generator | None:
         """A seeded request's own RNG (made at its first draw, on the device that samples it), seeded
         for the token it draws next from (seed, that token's index within the answer: those before
-        this request, ``seed_offset``, plus its own, pending ones included). Re-seeding a generator
-        is a host-side write (about a microsecond); a launched draw has taken its state already."""
+        this request, ``seed_offset``, plus its own, pending ones included; ``counted``: 1 when the
+        token being drawn is already counted as pending). Re-seeding a generator is a host-side
+        write (about a microsecond); a launched draw has taken its state already."""
         if self.params.seed is None:
             return None
         if self.generator is None:
             self.generator = torch.Generator(device=device)
-        index = self.params.seed_offset + self.num_output_tokens + self.num_pending_tokens
+        index = self.params.seed_offset + self.num_output_tokens + self.num_pending_tokens - counted
         return self.generator.manual_seed(draw_seed(self.params.seed, index))
 
     @property
