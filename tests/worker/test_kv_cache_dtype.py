@@ -100,3 +100,35 @@ def test_finished_cancelled_and_preempted_requests_free_every_quantized_block(ma
 def test_an_unknown_kv_cache_dtype_is_refused_by_name():
     with pytest.raises(ValueError, match="kv_cache_dtype must be auto, int8 or fp8, got 'int4'"):
         EngineConfig(kv_cache_dtype="int4")
+
+
+def test_a_worker_with_an_int8_pool_serves_many_requests_at_once(smollm2):
+    """The gRPC worker over an int8 pool: its Stats report the quantized pool's blocks; 12 streams
+    at once give each the tokens it gets alone; a stream cancelled mid-way frees its blocks."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from protos import kvcascade_pb2 as pb
+
+    from .test_server import _generate, _serve, _wait_until_idle
+
+    mib = 16 * 2**20
+    config = EngineConfig(model="smollm2-135m", kv_cache_dtype="int8", kv_cache_bytes=mib)
+    sampling = pb.SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    long = pb.SamplingParams(max_tokens=1000, temperature=0.0, ignore_eos=True)  # still running when cancelled
+    prompts = [f"Question {i}: what is {i} plus {2 * i}? Answer:" for i in range(12)]
+
+    def tokens(served, prompt: str) -> list[int]:
+        return [t for r in _generate(served, text=prompt, sampling=sampling) for t in r.token_ids]
+
+    for served in _serve(config, reuse=smollm2):
+        model = served.engine.engine.model
+        assert served.stats().kv_blocks_total == mib // kv_bytes_per_block(
+            served.engine.engine.model_config, 16, torch.int8, model.kv_heads)
+        alone = [tokens(served, p) for p in prompts[:3]]
+        cancelled = served.stub.Generate(pb.GenerateRequest(text=prompts[0], sampling=long), timeout=120)
+        next(cancelled)
+        with ThreadPoolExecutor(12) as pool:
+            together = list(pool.map(lambda p: tokens(served, p), prompts))
+            cancelled.cancel()
+        assert together[:3] == alone and all(len(t) == 12 for t in together)
+        _wait_until_idle(served, within_s=30)
