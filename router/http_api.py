@@ -437,6 +437,19 @@ def create_app(router: Router, *, access: Access = Access(), limiter: ClientLimi
                            "invalid_value")
         return {"prompt": tokenizer.decode(body.tokens)}
 
+    @tools.get("/tokenizer_info")
+    async def tokenizer_info(model: str | None = None) -> dict[str, Any]:
+        """What a client needs to tokenize as the server does (vLLM's endpoint, which lm-eval's
+        remote tokenizer reads): special tokens, the chat template, the context length."""
+        try:
+            name, tokenizer = await router.tokenizer_for(model)
+        except RouterError as err:
+            raise _from_router(err, _TOOL_CALL) from None
+        return {"model": name, "tokenizer_class": type(tokenizer).__name__, "vocab_size": len(tokenizer),
+                "eos_token": tokenizer.eos_token, "bos_token": tokenizer.bos_token, "pad_token": tokenizer.pad_token,
+                "chat_template": tokenizer.chat_template,
+                "model_max_length": (await router.context_lengths()).get(name)}
+
     app.include_router(tools)
 
     @app.get("/healthz")

@@ -97,3 +97,27 @@ def test_lm_eval_generate_until_over_chat_completions_gets_the_servers_greedy_an
             r = client.post("/v1/chat/completions", json=body)
             assert r.status_code == 200, r.text
             assert r.json()["choices"][0]["message"]["content"] == answer
+
+
+def test_lm_evals_remote_tokenizer_reads_the_servers_own(served, tokenizer_dir):
+    """lm-eval's RemoteTokenizer (its tokenizer_backend=auto picks it when /tokenizer_info answers):
+    /tokenizer_info, /tokenize and /detokenize give what the model's own tokenizer gives, so a
+    client needs no tokenizer files of its own."""
+    from lm_eval.utils import RemoteTokenizer, check_remote_tokenizer_support
+    from transformers import AutoTokenizer
+
+    base = f"{served.url}/v1/completions"
+    assert check_remote_tokenizer_support(base, max_retries=1)
+    remote, local = RemoteTokenizer(base, max_retries=1), AutoTokenizer.from_pretrained(tokenizer_dir)
+    text = "The capital of France is Paris. Ünïcödé and\ttabs, 12345."
+    ids = local.encode(text, add_special_tokens=False)
+    assert remote.encode(text) == ids and remote.decode(ids) == text
+    assert (remote.eos_token, remote.bos_token) == (local.eos_token, local.bos_token) and remote.eos_token
+    assert remote.eos_token_id == local.eos_token_id
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}]
+    assert remote.apply_chat_template(messages) == local.apply_chat_template(messages, tokenize=False,
+                                                                              add_generation_prompt=True)
+    info = httpx.get(f"{served.url}/tokenizer_info", timeout=10).json()
+    assert info["model"] == MODEL and info["vocab_size"] == len(local) and info["model_max_length"] > 0
+    unknown = httpx.get(f"{served.url}/tokenizer_info", params={"model": "nope"}, timeout=10)
+    assert unknown.status_code == 400 and unknown.json()["error"]["param"] == "model"  # as /tokenize's
