@@ -182,17 +182,23 @@ class ToolCalling:
 
 class ToolDeltas:
     """One streamed choice's deltas. "auto": text as it comes until a tag may start, each call
-    whole (name and arguments in one delta) once its closing tag is in. Forced: the JSON is held
-    and the calls go out at the end (held JSON that was not what was asked goes out as content)."""
+    whole (name and arguments in one delta) once its closing tag is in. A named function: the
+    answer is the arguments' JSON (the grammar's), streamed as it comes the way vLLM does -- the
+    call's id, name and empty arguments first, then argument pieces (an answer cut short by
+    max_tokens leaves them partial, with finish_reason "length"). "required": the JSON array is
+    held and the calls go out at the end (held JSON that was not what was asked goes out as content)."""
 
     def __init__(self, calling: ToolCalling):
         self.calling = calling
         self.parser = ToolCallStream(calling.parallel) if calling.forced == "auto" else None
         self.held: list[str] = []
         self.sent = 0  # calls sent: the next one's index
+        self.named_call: ToolCall | None = None  # a named function's call, once its head is sent
 
     def delta(self, text: str, last: bool) -> dict[str, Any]:
         """The delta of one message's text (``last``: the answer's final message)."""
+        if self.calling.named:
+            return self._named(text)
         if self.parser is not None:
             content, calls = self.parser.feed(text)
             if last:
@@ -207,6 +213,13 @@ class ToolDeltas:
             delta["tool_calls"] = [{"index": self.sent + i, **c.openai()} for i, c in enumerate(calls)]
             self.sent += len(calls)
         return delta
+
+
+    def _named(self, text: str) -> dict[str, Any]:
+        if self.named_call is None:  # the first delta: the call's head, with what arguments there are
+            self.named_call, self.sent = ToolCall(self.calling.forced, text), 1
+            return {"tool_calls": [{"index": 0, **self.named_call.openai()}]}
+        return {"tool_calls": [{"index": 0, "function": {"arguments": text}}]} if text else {}
 
 
 def _bad(param: str, message: str) -> Exception:

@@ -95,6 +95,14 @@ def test_named_tool_choice_forces_the_call(qwen: Stack) -> None:
     (call,) = full.choices[0].message.tool_calls
     name, arguments = _call(call)
     assert name == "get_weather" and isinstance(arguments.get("city"), str)
+    # Streamed, the arguments come in pieces (vLLM's shape) and add up to the same call.
+    chunks = list(client.chat.completions.create(model=qwen.model, messages=asked, tools=[WEATHER],
+                                                 tool_choice=named, temperature=0, max_tokens=30, stream=True))
+    pieces = [c.choices[0].delta.tool_calls[0] for c in chunks if c.choices and c.choices[0].delta.tool_calls]
+    assert len(pieces) > 2 and pieces[0].function.name == "get_weather" and pieces[0].id
+    assert all(p.index == 0 and p.id is None and p.function.name is None for p in pieces[1:])
+    assert json.loads("".join(p.function.arguments for p in pieces)) == arguments
+    assert chunks[-1].choices[0].finish_reason == "stop"
     required = client.chat.completions.create(model=qwen.model, messages=asked, tools=[WEATHER],
                                               tool_choice="required", temperature=0, max_tokens=40,
                                               parallel_tool_calls=False)

@@ -133,3 +133,18 @@ def test_forced_answers_are_read_as_json() -> None:
     assert deltas.delta('[{"name":"get_weather",', last=False) == {}
     delta = deltas.delta('"parameters":{"city":"Oslo"}}]', last=True)
     assert delta["tool_calls"][0]["index"] == 0 and delta["tool_calls"][0]["function"]["name"] == "get_weather"
+
+
+def test_a_named_functions_arguments_stream_as_they_come() -> None:
+    """vLLM's shape: the call's id, type and name with the first piece, then argument pieces only."""
+    named = _chat(tools=[WEATHER], tool_choice={"type": "function", "function": {"name": "get_weather"}}).tools
+    deltas = named.stream()
+    first = deltas.delta('{"ci', last=False)["tool_calls"]
+    assert first[0]["index"] == 0 and first[0]["id"].startswith("call_") and first[0]["type"] == "function"
+    assert first[0]["function"] == {"name": "get_weather", "arguments": '{"ci'}
+    assert deltas.delta("", last=False) == {}  # a held-back piece of text: nothing to say yet
+    last = deltas.delta('ty":"Oslo"}', last=True)
+    assert last == {"tool_calls": [{"index": 0, "function": {"arguments": 'ty":"Oslo"}'}}]}
+    assert deltas.sent == 1 and named.finish_reason("stop", True) == "stop"
+    empty_first = named.stream().delta("", last=False)["tool_calls"][0]
+    assert empty_first["function"] == {"name": "get_weather", "arguments": ""}
