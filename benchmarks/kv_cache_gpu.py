@@ -94,17 +94,18 @@ def decode_attention(name: str, device, batch=64, ctx=4096, heads=32, kv_heads=8
 
 def sweep_decode(dtypes: list[str], device) -> dict:
     """Decode attention at each (tokens a step, warps, stages) for each dtype: the module's tile
-    globals set per config, as the engine would run it (the narrow config at this grid size)."""
+    globals set per config, as the engine would run it (a float pool: the narrow config at this grid
+    size; an int8/fp8 pool: DECODE_QUANT)."""
     from kernels import paged_attention as pa
 
-    saved = pa.DECODE_BLOCK_N, pa.DECODE_NUM_WARPS, pa.DECODE_NUM_STAGES, pa.DECODE_NARROW
+    saved = pa.DECODE_BLOCK_N, pa.DECODE_NUM_WARPS, pa.DECODE_NUM_STAGES, pa.DECODE_NARROW, pa.DECODE_QUANT
     out = {}
     for name in dtypes:
         for block_n in (64, 128, 256):
             for warps in (4, 8):
                 for stages in (2, 3, 4):
                     pa.DECODE_BLOCK_N, pa.DECODE_NUM_WARPS, pa.DECODE_NUM_STAGES = block_n, warps, stages
-                    pa.DECODE_NARROW = (block_n, warps, stages)
+                    pa.DECODE_NARROW = pa.DECODE_QUANT = (block_n, warps, stages)
                     try:
                         r = decode_attention(name, device)
                     except Exception as exc:  # out of shared memory, say
@@ -113,7 +114,7 @@ def sweep_decode(dtypes: list[str], device) -> dict:
                     out[f"{name} {block_n} {warps} {stages}"] = r
                     print(f"  {name:5s} {block_n:3d} {warps} {stages}: {r['ms']:.3f} ms {r['gb_per_s']:.0f} GB/s",
                           flush=True)
-    pa.DECODE_BLOCK_N, pa.DECODE_NUM_WARPS, pa.DECODE_NUM_STAGES, pa.DECODE_NARROW = saved
+    pa.DECODE_BLOCK_N, pa.DECODE_NUM_WARPS, pa.DECODE_NUM_STAGES, pa.DECODE_NARROW, pa.DECODE_QUANT = saved
     return out
 
 

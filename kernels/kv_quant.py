@@ -2,8 +2,12 @@
 references and the torch attention backend share.
 
 A quantized pool keeps, per layer, K and V as ``[num_blocks, block_size, KVH, D]`` in int8 or
-fp8 (e4m3) and beside each a float32 scale per token and KV head, ``[num_blocks, block_size,
-KVH]``. The scale is computed when the token is written, from that token's head vector alone:
+fp8 (e4m3) and beside each a float32 scale per token and KV head, ``[num_blocks, KVH,
+block_size]``. Heads come before tokens because an attention program owns one KV head: its
+scales for a block are then block_size contiguous floats, where a token-major layout cost a
+32-byte sector for each token's 4 bytes. Slot s's scale of head h is at ``[s // block_size, h,
+s % block_size]``. The scale is computed when the token is written, from that token's head
+vector alone:
 
     scale = max(amax(|x|), EPS) / QMAX        (QMAX: 127 for int8, 448 for fp8 e4m3)
     stored = round(x / scale)                  int8: half away from zero; fp8: the cast's own rounding
@@ -43,3 +47,9 @@ def quantize_kv(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torc
 def dequantize_kv(stored: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """The inverse of ``quantize_kv``, in ``dtype``."""
     return (stored.float() * scale.unsqueeze(-1)).to(dtype)
+
+
+def token_major(scales: torch.Tensor) -> torch.Tensor:
+    """A pool's scales ``[num_blocks, KVH, block_size]`` as a view ``[num_blocks, block_size, KVH]``,
+    indexed by (block, offset) as the K/V data are; writes through it land in the pool."""
+    return scales.transpose(1, 2)

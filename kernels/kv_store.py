@@ -1,8 +1,9 @@
 """Writing new tokens' K/V into the paged pool.
 
 An int8 or fp8 pool (kernels/kv_quant.py's format) is written quantized: each token's head
-vector with its own scale, beside it in ``kv_scales``. ``kv_scale`` and ``quantize`` are that
-format in Triton, shared with the kernels that store K/V on their way (rotary, fused decode)."""
+vector with its own scale, beside it in ``kv_scales``. ``kv_scale``, ``quantize`` and
+``scale_offsets`` are that format in Triton, shared with the kernels that store K/V on their way
+(rotary, fused decode)."""
 
 from __future__ import annotations
 
@@ -26,10 +27,18 @@ def kv_scale_args(
         assert kv_scales is None, f"kv_scales given for a {k_cache.dtype} KV cache: only int8/fp8 caches have scales"
         return k_cache, v_cache, 0.0
     assert kv_scales is not None, f"a {k_cache.dtype} KV cache needs kv_scales=(k_scales, v_scales)"
+    num_blocks, block_size, num_kv_heads = k_cache.shape[:3]
+    shape = (num_blocks, num_kv_heads, block_size)  # heads before tokens: kernels/kv_quant.py
     for s in kv_scales:
-        assert s.shape == k_cache.shape[:3] and s.dtype == torch.float32 and s.is_contiguous(), (
-            f"kv_scales must be contiguous float32 {tuple(k_cache.shape[:3])}, got {tuple(s.shape)} {s.dtype}")
+        assert s.shape == shape and s.dtype == torch.float32 and s.is_contiguous(), (
+            f"kv_scales must be contiguous float32 {shape}, got {tuple(s.shape)} {s.dtype}")
     return kv_scales[0], kv_scales[1], QMAX[k_cache.dtype]
+
+
+@jit
+def scale_offsets(slot, head, num_kv_heads, BLOCK_SIZE: tl.constexpr):
+    """Where slot ``slot``'s scale of ``head`` sits in a [num_blocks, KVH, block_size] scale tensor."""
+    return (slot // BLOCK_SIZE) * (num_kv_heads * BLOCK_SIZE) + head * BLOCK_SIZE + slot % BLOCK_SIZE
 
 
 @jit
@@ -79,8 +88,8 @@ def _store_kv_kernel(
 @jit
 def _store_kv_quant_kernel(
     k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, ks_ptr, vs_ptr, slot_ptr, stride_kt, stride_vt,
-    NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
-    QMAX: tl.constexpr, USE_PDL: tl.constexpr,
+    NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, QMAX: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     """One token a program, as a [KVH, D] tile: a scale per head needs the head's whole vector."""
     wait_for_producer(USE_PDL)
@@ -92,7 +101,7 @@ def _store_kv_quant_kernel(
     mask = h_mask[:, None] & (offs_d < HEAD_DIM)[None, :]
     offs = heads[:, None] * HEAD_DIM + offs_d[None, :]
     dst = tl.maximum(slot, 0) * (NUM_KV_HEADS * HEAD_DIM) + offs
-    scale_dst = tl.maximum(slot, 0) * NUM_KV_HEADS + heads
+    scale_dst = scale_offsets(tl.maximum(slot, 0), heads, NUM_KV_HEADS, BLOCK_SIZE)
     _store_quantized(k_ptr + t * stride_kt + offs, k_cache_ptr + dst, ks_ptr + scale_dst, mask, h_mask, QMAX)
     _store_quantized(v_ptr + t * stride_vt + offs, v_cache_ptr + dst, vs_ptr + scale_dst, mask, h_mask, QMAX)
 
@@ -103,7 +112,7 @@ def store_kv(
     k_cache: torch.Tensor,  # [num_blocks, block_size, KVH, D]
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,  # [T] int64 flat slot = block * block_size + offset; -1 = skip
-    kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None,  # int8/fp8 pool: [num_blocks, block_size, KVH] fp32
+    kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None,  # int8/fp8 pool: [num_blocks, KVH, block_size] fp32
 ) -> None:
     check_launchable(k, v, k_cache, v_cache, slot_mapping, *(kv_scales or ()))
     num_tokens, num_kv_heads, head_dim = k.shape
@@ -119,8 +128,9 @@ def store_kv(
     if qmax:
         _store_kv_quant_kernel[(num_tokens,)](
             k, v, k_cache, v_cache, k_scales, v_scales, slot_mapping, k.stride(0), v.stride(0),
-            NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, BLOCK_H=next_power_of_2(num_kv_heads),
-            BLOCK_D=next_power_of_2(head_dim), QMAX=qmax, num_warps=4, **pdl_launch(k.device),
+            NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, BLOCK_SIZE=k_cache.shape[1],
+            BLOCK_H=next_power_of_2(num_kv_heads), BLOCK_D=next_power_of_2(head_dim), QMAX=qmax,
+            num_warps=4, **pdl_launch(k.device),
         )
         return
     block = min(next_power_of_2(row), _MAX_BLOCK)

@@ -25,11 +25,11 @@ of the group. Query token i of a sequence with ``q_len`` new tokens sits at posi
 
 Keys before the tile's first position are seen by every row and need no causal mask.
 
-An int8 or fp8 pool (kernels/kv_quant.py: a scale per token and KV head beside the data) is
-dequantized in registers, never as a whole tile: the raw K tile, exact in q's dtype, goes into the
-dot and each token's K scale multiplies its column of scores; each token's V scale multiplies its
-column of p before the PV dot. ``KV_QMAX`` (0 for a float pool) makes it a compile-time variant,
-so a float pool's kernels are as they were.
+An int8 or fp8 pool (kernels/kv_quant.py: a scale per token and KV head beside the data, one
+head's scales of a block contiguous) is dequantized in registers, never as a whole tile: the raw
+K tile, exact in q's dtype, goes into the dot and each token's K scale multiplies its column of
+scores; each token's V scale multiplies its column of p before the PV dot. ``KV_QMAX`` (0 for a
+float pool) makes it a compile-time variant, so a float pool's kernels are as they were.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ from __future__ import annotations
 import torch
 
 from kernels._triton import cdiv, check_launchable, jit, next_power_of_2, pdl_launch, sm_count, tl, wait_for_producer
-from kernels.kv_store import kv_scale, kv_scale_args, quantize
+from kernels.kv_store import kv_scale, kv_scale_args, quantize, scale_offsets
 from kernels.rotary import _rotate
 
 # The kernels use exp2: the softmax scale is multiplied by log2(e) once.
@@ -54,6 +54,11 @@ DECODE_NUM_WARPS = 4
 DECODE_NUM_STAGES = 3
 DECODE_NARROW = (64, 4, 2)  # (tokens a step, warps, stages) below WIDE_MIN_PROGRAMS_PER_SM
 WIDE_MIN_PROGRAMS_PER_SM = 8
+# An int8/fp8 pool takes one config at any grid size: an H100 sweep (benchmarks/kv_cache_gpu.py
+# --tokenizer .tok --sweep-decode, docs/BENCHMARKS.md; batch 64 x 4,096 tokens, 8 KV heads) found
+# 128 tokens, 4 warps, 3 stages best for both fp8 and int8: fp8 0.301 ms, against 0.428 ms with
+# DECODE_NARROW, which that grid would otherwise get.
+DECODE_QUANT = (128, 4, 3)
 # Prefill tiles as swept on an H100 (benchmarks/kernels_gpu.py --sweep-prefill, 54 configs): a Q tile
 # of 64 rows (16 tokens x 4 heads), 64 keys a step, 2 stages took an 8,192-token admission step
 # in 0.241 ms a layer and 4 x 512 tokens after cached prefixes in 0.232 ms, against 0.270 / 0.267
@@ -76,7 +81,7 @@ def _attend_tile(
     n_start, kv_end,  # this tile covers context positions [n_start, n_start + BLOCK_N) clipped to kv_end
     q_pos,  # [M] position of each row's query token
     qk_scale, stride_kb, stride_kt, offs_d, d_mask,
-    ks_ptr, vs_ptr, stride_sb, stride_st,  # KV_QMAX > 0: the scales, pointers at this KV head's
+    ks_ptr, vs_ptr, stride_sb,  # KV_QMAX > 0: the scales, pointers at this KV head's (a block's contiguous)
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr,
     KV_QMAX: tl.constexpr,
 ):
@@ -88,7 +93,7 @@ def _attend_tile(
     kv_mask = p_mask[:, None] & d_mask[None, :]
     k = tl.load(k_ptr + tok[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
     if KV_QMAX > 0:  # a token's K scale multiplies its column of scores: [BLOCK_N], not [BLOCK_N, D]
-        tok_scale = blk * stride_sb + (pos % BLOCK_SIZE).to(tl.int64) * stride_st
+        tok_scale = blk * stride_sb + (pos % BLOCK_SIZE).to(tl.int64)
         ks = tl.load(ks_ptr + tok_scale, mask=p_mask, other=0.0)
         s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION) * (ks * qk_scale)[None, :]
     else:
@@ -117,7 +122,7 @@ def _decode_kernel(
     # ROPE_STORE: the step's new token (unrotated q, k, and v) is rotated here and its K/V stored
     pos_ptr, kn_ptr, vn_ptr, cos_ptr, sin_ptr, slot_ptr, stride_knb, stride_knh, stride_vnb, stride_vnh,
     stride_cos, stride_sin,
-    ks_ptr, vs_ptr, stride_sb, stride_st,  # KV_QMAX > 0: the pool's scales [num_blocks, block_size, KVH]
+    ks_ptr, vs_ptr, stride_sb, stride_sh,  # KV_QMAX > 0: the pool's scales [num_blocks, KVH, block_size]
     NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, BLOCK_G: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
     NUM_SPLITS: tl.constexpr, HAS_ORDER: tl.constexpr, ROPE_STORE: tl.constexpr,
@@ -172,7 +177,7 @@ def _decode_kernel(
             v_scale = kv_scale(tl.max(tl.abs(v_new.to(tl.float32)), 0), KV_QMAX)
             k_new = quantize(k_new, k_scale, k_ptr.dtype.element_ty, KV_QMAX)
             v_new = quantize(v_new, v_scale, v_ptr.dtype.element_ty, KV_QMAX)
-            scale_dst = tl.maximum(slot, 0) * stride_st + kvh  # slot s's scales: s * KVH
+            scale_dst = scale_offsets(tl.maximum(slot, 0), kvh, NUM_HEADS // GROUP, BLOCK_SIZE)
             tl.store(ks_ptr + scale_dst, k_scale, mask=owner & (slot >= 0))
             tl.store(vs_ptr + scale_dst, v_scale, mask=owner & (slot >= 0))
         tl.store(k_ptr + dst, k_new.to(k_ptr.dtype.element_ty), mask=keep)
@@ -188,8 +193,8 @@ def _decode_kernel(
     for n in range(start, tiles_end, BLOCK_N):
         m_i, l_i, acc = _attend_tile(
             q, m_i, l_i, acc, k_ptr, v_ptr, bt_row, kvh * stride_kh, n, tiles_end, q_pos,
-            qk_scale, stride_kb, stride_kt, offs_d, d_mask, ks_ptr + kvh, vs_ptr + kvh, stride_sb, stride_st,
-            BLOCK_SIZE, BLOCK_N, True, DOT_PRECISION, KV_QMAX,
+            qk_scale, stride_kb, stride_kt, offs_d, d_mask, ks_ptr + kvh * stride_sh, vs_ptr + kvh * stride_sh,
+            stride_sb, BLOCK_SIZE, BLOCK_N, True, DOT_PRECISION, KV_QMAX,
         )
     if ROPE_STORE:  # the new token, one more online-softmax step (as _attend_tile rounds p for PV)
         if KV_QMAX > 0:  # scaled as _attend_tile scales a tile's scores and p
@@ -268,7 +273,7 @@ def _find_sequence(qsl_ptr, tile, num_seqs, BLOCK_Q: tl.constexpr):
 def _prefill_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, bt_ptr, qsl_ptr, ctx_ptr, num_seqs, qk_scale,
     stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_bt, stride_ot, stride_oh,
-    ks_ptr, vs_ptr, stride_sb, stride_st,  # KV_QMAX > 0: the pool's scales [num_blocks, block_size, KVH]
+    ks_ptr, vs_ptr, stride_sb, stride_sh,  # KV_QMAX > 0: the pool's scales [num_blocks, KVH, block_size]
     GROUP: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
@@ -309,15 +314,15 @@ def _prefill_kernel(
     for n in range(0, full_end, BLOCK_N):
         m_i, l_i, acc = _attend_tile(
             q, m_i, l_i, acc, k_ptr, v_ptr, bt_row, kv_head_off, n, full_end, q_pos,
-            qk_scale, stride_kb, stride_kt, offs_d, d_mask, ks_ptr + kvh, vs_ptr + kvh, stride_sb, stride_st,
-            BLOCK_SIZE, BLOCK_N, False, DOT_PRECISION, KV_QMAX,
+            qk_scale, stride_kb, stride_kt, offs_d, d_mask, ks_ptr + kvh * stride_sh, vs_ptr + kvh * stride_sh,
+            stride_sb, BLOCK_SIZE, BLOCK_N, False, DOT_PRECISION, KV_QMAX,
         )
     kv_end = tl.minimum(prefix + tok0 + BLOCK_Q, ctx)  # one past the tile's last query position
     for n in range(full_end, kv_end, BLOCK_N):
         m_i, l_i, acc = _attend_tile(
             q, m_i, l_i, acc, k_ptr, v_ptr, bt_row, kv_head_off, n, kv_end, q_pos,
-            qk_scale, stride_kb, stride_kt, offs_d, d_mask, ks_ptr + kvh, vs_ptr + kvh, stride_sb, stride_st,
-            BLOCK_SIZE, BLOCK_N, True, DOT_PRECISION, KV_QMAX,
+            qk_scale, stride_kb, stride_kt, offs_d, d_mask, ks_ptr + kvh * stride_sh, vs_ptr + kvh * stride_sh,
+            stride_sb, BLOCK_SIZE, BLOCK_N, True, DOT_PRECISION, KV_QMAX,
         )
     o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     tl.store(
@@ -331,7 +336,7 @@ def _check_inputs(
     context_lens: torch.Tensor, kv_scales: tuple[torch.Tensor, torch.Tensor] | None,
 ) -> tuple[int, tuple, float]:
     """Validates the shared layout assumptions; returns the GQA group size, the scale arguments
-    (k_scales, v_scales, stride_sb, stride_st) and KV_QMAX (0: a float pool)."""
+    (k_scales, v_scales, stride_sb, stride_sh) and KV_QMAX (0: a float pool)."""
     assert k_cache.shape == v_cache.shape and k_cache.is_contiguous() and v_cache.is_contiguous()
     k_scales, v_scales, qmax = kv_scale_args(k_cache, v_cache, kv_scales)
     if qmax:  # an int8/fp8 tile converts to q's dtype exactly
@@ -388,7 +393,7 @@ def paged_decode_attention(
     out: torch.Tensor | None = None,  # written in place when given (rows of a larger batch's output)
     order: torch.Tensor | None = None,  # [B] int32, a permutation of the rows: programs start in it
     rope_store: tuple | None = None,  # (positions, k, v, cos, sin, slot_mapping): see below
-    kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None,  # int8/fp8 pool: [num_blocks, block_size, KVH] fp32
+    kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None,  # int8/fp8 pool: [num_blocks, KVH, block_size] fp32
 ) -> torch.Tensor:
     """Attention of each row's query over its context. With ``rope_store``, ``q`` is not rotated
     yet and the step's new token is not in the pool: the kernel rotates q and k (as
@@ -416,8 +421,12 @@ def paged_decode_attention(
         part_o = part_lse = out  # unused
     block_d = next_power_of_2(head_dim)
     pdl = pdl_launch(q.device)
-    wide = batch * num_kv_heads * num_splits >= WIDE_MIN_PROGRAMS_PER_SM * sm_count(q.device)
-    block_n, num_warps, num_stages = (DECODE_BLOCK_N, DECODE_NUM_WARPS, DECODE_NUM_STAGES) if wide else DECODE_NARROW
+    if qmax:
+        block_n, num_warps, num_stages = DECODE_QUANT
+    elif batch * num_kv_heads * num_splits >= WIDE_MIN_PROGRAMS_PER_SM * sm_count(q.device):
+        block_n, num_warps, num_stages = DECODE_BLOCK_N, DECODE_NUM_WARPS, DECODE_NUM_STAGES
+    else:
+        block_n, num_warps, num_stages = DECODE_NARROW
     if rope_store is not None:
         positions, k_new, v_new, cos, sin, slots = rope_store
         assert k_new.shape == v_new.shape == (batch, num_kv_heads, head_dim) and head_dim % 2 == 0
@@ -459,7 +468,7 @@ def paged_prefill_attention(
     context_lens: torch.Tensor,  # [B] int32: cached prefix + new tokens
     scale: float,
     out: torch.Tensor | None = None,  # written in place when given (rows of a larger batch's output)
-    kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None,  # int8/fp8 pool: [num_blocks, block_size, KVH] fp32
+    kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None,  # int8/fp8 pool: [num_blocks, KVH, block_size] fp32
 ) -> torch.Tensor:
     check_launchable(q, k_cache, v_cache, block_tables, query_start_loc, context_lens, *(kv_scales or ()))
     group, scale_args, qmax = _check_inputs(q, k_cache, v_cache, block_tables, context_lens, kv_scales)

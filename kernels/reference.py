@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kernels.kv_quant import dequantize_kv, quantize_kv
+from kernels.kv_quant import dequantize_kv, quantize_kv, token_major
 from kernels.kv_store import kv_scale_args
 
 
@@ -21,9 +21,9 @@ def store_kv_ref(
     k_cache: torch.Tensor,  # [num_blocks, block_size, KVH, D]
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,  # [T] int64 flat slot; -1 = skip (padding)
-    kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None,  # int8/fp8 pool: [num_blocks, block_size, KVH] fp32
+    kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None,  # int8/fp8 pool: [num_blocks, KVH, block_size] fp32
 ) -> None:
-    kvh, d = k_cache.shape[2], k_cache.shape[3]
+    block_size, kvh, d = k_cache.shape[1:]
     keep = slot_mapping >= 0
     slots = slot_mapping[keep]
     kv_scale_args(k_cache, v_cache, kv_scales)  # as the kernel: the pool's dtype says whether scales are due
@@ -31,15 +31,15 @@ def store_kv_ref(
         for x, cache, scales in ((k, k_cache, kv_scales[0]), (v, v_cache, kv_scales[1])):
             stored, scale = quantize_kv(x[keep], cache.dtype)
             cache.view(-1, kvh, d)[slots] = stored
-            scales.view(-1, kvh)[slots] = scale
+            token_major(scales)[slots // block_size, slots % block_size] = scale
         return
     k_cache.view(-1, kvh, d)[slots] = k[keep].to(k_cache.dtype)
     v_cache.view(-1, kvh, d)[slots] = v[keep].to(v_cache.dtype)
 
 
 def _gather(cache: torch.Tensor, block_table: torch.Tensor, num_tokens: int) -> torch.Tensor:
-    """The first ``num_tokens`` tokens of one sequence from the pool: [num_tokens, KVH, D] (or a
-    scale tensor: [num_tokens, KVH])."""
+    """The first ``num_tokens`` tokens of one sequence from the pool: [num_tokens, KVH, D] (or from
+    ``token_major`` scales: [num_tokens, KVH])."""
     block_size = cache.shape[1]
     pos = torch.arange(num_tokens, device=cache.device)
     blocks = block_table.to(cache.device).long()[pos // block_size]
@@ -54,7 +54,7 @@ def _gather_kv(
     k, v = _gather(k_cache, block_table, num_tokens), _gather(v_cache, block_table, num_tokens)
     if kv_scales is None:
         return k, v
-    k_scales, v_scales = (_gather(s, block_table, num_tokens) for s in kv_scales)
+    k_scales, v_scales = (_gather(token_major(s), block_table, num_tokens) for s in kv_scales)
     return dequantize_kv(k, k_scales, torch.float32), dequantize_kv(v, v_scales, torch.float32)
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from kernels._triton import check_launchable, jit, next_power_of_2, pdl_launch, tl, wait_for_producer
-from kernels.kv_store import kv_scale, kv_scale_args, quantize
+from kernels.kv_store import kv_scale, kv_scale_args, quantize, scale_offsets
 
 
 @jit
@@ -63,6 +63,7 @@ def _rotary_kernel(
     HEAD_DIM: tl.constexpr, HALF: tl.constexpr, BLOCK_HALF: tl.constexpr,
     BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, STORE_KV: tl.constexpr,
     KV_QMAX: tl.constexpr,  # 0: a float pool; else an int8/fp8 pool's QMAX, with scales at ks_ptr, vs_ptr
+    BLOCK_SIZE: tl.constexpr,  # KV_QMAX > 0: the pool's block size, which places a slot's scales
     USE_PDL: tl.constexpr,
 ):
     wait_for_producer(USE_PDL)
@@ -86,7 +87,7 @@ def _rotary_kernel(
         keep = mask & (slot >= 0)
         if KV_QMAX > 0:
             h_keep = (heads < num_k_heads) & (slot >= 0)
-            scale_dst = tl.maximum(slot, 0) * num_k_heads + heads
+            scale_dst = scale_offsets(tl.maximum(slot, 0), heads, num_k_heads, BLOCK_SIZE)
             _store_quantized_halves(k_cache_ptr, ks_ptr, dst, scale_dst, o1, o2, keep, h_keep, HALF, KV_QMAX)
             pv = v_ptr + t * stride_vt + heads[:, None] * stride_vh + offs[None, :]
             v1 = tl.load(pv, mask=keep, other=0.0)
@@ -120,7 +121,9 @@ def _launch(positions, q, k, cos, sin, kv_store=None) -> None:
         cos.stride(0), sin.stride(0), num_q_heads, num_k_heads,
         HEAD_DIM=head_dim, HALF=half, BLOCK_HALF=next_power_of_2(half),
         BLOCK_HQ=next_power_of_2(num_q_heads), BLOCK_HK=next_power_of_2(num_k_heads),
-        STORE_KV=kv_store is not None, KV_QMAX=qmax, num_warps=4, **pdl_launch(q.device),
+        STORE_KV=kv_store is not None, KV_QMAX=qmax,
+        BLOCK_SIZE=k_cache.shape[1] if qmax else 1,  # unused by a float pool: no variant per block size
+        num_warps=4, **pdl_launch(q.device),
     )
 
 
@@ -147,7 +150,7 @@ def rotary_store_kv(
     k_cache: torch.Tensor,  # [num_blocks, block_size, KVH, D]
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,  # [T] int64 flat slot; -1 = skip
-    kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None,  # int8/fp8 pool: [num_blocks, block_size, KVH] fp32
+    kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None,  # int8/fp8 pool: [num_blocks, KVH, block_size] fp32
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``rotary_embedding`` then ``store_kv`` in one launch; returns the rotated (q, k)."""
     check_launchable(positions, q, k, v, cos, sin, k_cache, v_cache, slot_mapping, *(kv_scales or ()))

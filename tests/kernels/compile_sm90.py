@@ -26,8 +26,6 @@ TARGET = GPUTarget("cuda", 90, 32)
 P = "*bf16"
 # A pool's element type -> its kernels' KV_QMAX (0: a float pool, no scales)
 POOLS = {P: 0.0, "*i8": QMAX[torch.int8], "*fp8e4nv": QMAX[torch.float8_e4m3fn]}
-# Launch arguments not divisible by 16 at these shapes: a scale's token stride is KVH (8).
-NOT_DIVISIBLE = {"stride_st"}
 
 
 class C:
@@ -46,7 +44,7 @@ def compile_kernel(fn, args: dict, num_warps: int = 4, num_stages: int = 3):
             signature[name], constexprs[name] = "constexpr", value.value
         else:
             signature[name] = value
-            if value.startswith("*") or (name.startswith("stride") and name not in NOT_DIVISIBLE) or name in ("N", "K"):
+            if value.startswith("*") or name.startswith("stride") or name in ("N", "K"):
                 # What a real launch specialises: pointers, strides and matrix sizes divisible by 16.
                 attrs[(i,)] = [["tt.divisibility", 16]]
     src = ASTSource(fn, signature, constexprs, attrs)
@@ -57,7 +55,7 @@ def compile_kernel(fn, args: dict, num_warps: int = 4, num_stages: int = 3):
 def _scale_args(pool: str) -> dict:
     """A quantized pool's scale pointers and strides; a float pool's launch passes its caches."""
     scales = "*fp32" if POOLS[pool] else P
-    return dict(ks_ptr=scales, vs_ptr=scales, stride_sb="i32", stride_st="i32", KV_QMAX=C(POOLS[pool]))
+    return dict(ks_ptr=scales, vs_ptr=scales, stride_sb="i32", stride_sh="i32", KV_QMAX=C(POOLS[pool]))
 
 
 def _decode_args(splits: int, block_n: int = paged_attention.DECODE_BLOCK_N, pool: str = P) -> dict:
@@ -99,7 +97,7 @@ def _rotary_args(pool: str, store: bool = True) -> dict:
         v_cache_ptr=pool, **_scale_args(pool), slot_ptr="*i64", stride_qt="i32", stride_qh="i32", stride_kt="i32",
         stride_kh="i32", stride_vt="i32", stride_vh="i32", stride_cos="i32", stride_sin="i32", num_q_heads="i32",
         num_k_heads="i32", HEAD_DIM=C(128), HALF=C(64), BLOCK_HALF=C(64), BLOCK_HQ=C(32), BLOCK_HK=C(8),
-        STORE_KV=C(store),
+        STORE_KV=C(store), BLOCK_SIZE=C(16 if POOLS[pool] else 1),
     )
 
 
@@ -108,16 +106,16 @@ def quantized_cases() -> list[tuple]:
     cases = []
     for pool, name in (("*i8", "int8"), ("*fp8e4nv", "fp8")):
         cases += [
-            (f"decode {name}, 1 split", paged_attention._decode_kernel, _decode_args(1, pool=pool),
-             paged_attention.DECODE_NUM_WARPS, paged_attention.DECODE_NUM_STAGES, True),
+            (f"decode {name}, 1 split", paged_attention._decode_kernel,
+             _decode_args(1, paged_attention.DECODE_QUANT[0], pool), *paged_attention.DECODE_QUANT[1:], True),
             (f"decode {name}, 8 splits", paged_attention._decode_kernel,
-             _decode_args(8, paged_attention.DECODE_NARROW[0], pool), *paged_attention.DECODE_NARROW[1:], True),
+             _decode_args(8, paged_attention.DECODE_QUANT[0], pool), *paged_attention.DECODE_QUANT[1:], True),
             (f"prefill {name}, group 4", paged_attention._prefill_kernel, _prefill_args(4, pool), *_prefill_launch(),
              True),
             (f"store_kv {name}", kv_store._store_kv_quant_kernel, dict(
                 k_ptr=P, v_ptr=P, k_cache_ptr=pool, v_cache_ptr=pool, ks_ptr="*fp32", vs_ptr="*fp32",
                 slot_ptr="*i64", stride_kt="i32", stride_vt="i32", NUM_KV_HEADS=C(8), HEAD_DIM=C(128),
-                BLOCK_H=C(8), BLOCK_D=C(128), QMAX=C(POOLS[pool])), 4, 3, False),
+                BLOCK_SIZE=C(16), BLOCK_H=C(8), BLOCK_D=C(128), QMAX=C(POOLS[pool])), 4, 3, False),
             (f"rotary + store_kv {name}", rotary._rotary_kernel, _rotary_args(pool), 4, 3, False),
         ]
     return cases

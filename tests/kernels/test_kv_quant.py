@@ -5,7 +5,7 @@ Also the helpers the kernel tests share for quantized pools."""
 import pytest
 import torch
 
-from kernels.kv_quant import EPS, QMAX, dequantize_kv, quantize_kv
+from kernels.kv_quant import EPS, QMAX, dequantize_kv, quantize_kv, token_major
 from kernels.reference import paged_decode_attention_ref, paged_prefill_attention_ref, store_kv_ref
 
 QUANT_DTYPES = [torch.int8, torch.float8_e4m3fn]
@@ -19,12 +19,24 @@ def quantized_pool(num_blocks, block_size, num_kv_heads, head_dim, dtype):
         x[..., 0] *= 4.0  # a channel of outliers, as RoPE'd keys have
         pool.append(quantize_kv(x, dtype))
     (k_cache, k_scales), (v_cache, v_scales) = pool
-    return k_cache, v_cache, (k_scales, v_scales)
+    return k_cache, v_cache, (pool_scales(k_scales), pool_scales(v_scales))
+
+
+def pool_scales(scales):
+    """``quantize_kv``'s scales of a whole pool's data, [num_blocks, block_size, KVH], laid out as
+    a pool keeps them: [num_blocks, KVH, block_size], contiguous."""
+    return scales.transpose(1, 2).contiguous()
+
+
+def scales_by_slot(scales):
+    """A pool's scales as [slot, KVH], a copy: row s holds flat slot s's scales."""
+    return token_major(scales).reshape(-1, scales.shape[1])
 
 
 def empty_scales(cache):
     """A quantized pool's scales before any write: NaN, so a slot written without its scale shows."""
-    return torch.full(cache.shape[:3], float("nan")), torch.full(cache.shape[:3], float("nan"))
+    shape = (cache.shape[0], cache.shape[2], cache.shape[1])  # [num_blocks, KVH, block_size]
+    return torch.full(shape, float("nan")), torch.full(shape, float("nan"))
 
 
 def e4m3_exact(shape, dtype=torch.float32, scale=2.0**-6):
@@ -105,8 +117,9 @@ def test_store_kv_ref_writes_data_and_scales_and_skips_padding(dtype):
     for x, cache, s in ((k, k_cache, scales[0]), (v, v_cache, scales[1])):
         stored, scale = quantize_kv(x[[0, 2, 3]], dtype)
         assert torch.equal(cache.view(-1, 2, 16)[[7, 0, 11]].float(), stored.float())
-        assert torch.equal(s.view(-1, 2)[[7, 0, 11]], scale)
-        assert s.view(-1, 2).isnan().sum() == 2 * (12 - 3)  # the padding tokens wrote nowhere
+        assert torch.equal(scales_by_slot(s)[[7, 0, 11]], scale)
+        assert torch.equal(s[1, :, 3], scale[0])  # slot 7: block 1, offset 3, its heads block_size apart
+        assert s.isnan().sum() == 2 * (12 - 3)  # the padding tokens wrote nowhere
 
 
 def test_a_quantized_pool_needs_its_scales_and_a_float_one_takes_none():
@@ -136,13 +149,14 @@ def test_reference_attention_over_a_quantized_pool_is_close_to_float(dtype):
     scale = d**-0.5
 
     want = paged_decode_attention_ref(q, k_float, v_float, tables, ctx, scale)
-    got = paged_decode_attention_ref(q, k_cache, v_cache, tables, ctx, scale, kv_scales=(k_scales, v_scales))
+    kv_scales = pool_scales(k_scales), pool_scales(v_scales)
+    got = paged_decode_attention_ref(q, k_cache, v_cache, tables, ctx, scale, kv_scales=kv_scales)
     assert (got - want).norm() <= ATTENTION_TOL[dtype] * want.norm()
 
     qsl = torch.tensor([0, 5, 6, 26], dtype=torch.int32)  # chunks after cached prefixes
     qp = torch.randn(26, 4, d)
     want = paged_prefill_attention_ref(qp, k_float, v_float, tables, qsl, ctx, scale)
-    got = paged_prefill_attention_ref(qp, k_cache, v_cache, tables, qsl, ctx, scale, kv_scales=(k_scales, v_scales))
+    got = paged_prefill_attention_ref(qp, k_cache, v_cache, tables, qsl, ctx, scale, kv_scales=kv_scales)
     assert (got - want).norm() <= ATTENTION_TOL[dtype] * want.norm()
     # and exactly attention over the dequantized pool
     deq = [dequantize_kv(c, s, torch.float32) for c, s in ((k_cache, k_scales), (v_cache, v_scales))]

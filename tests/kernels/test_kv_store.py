@@ -5,7 +5,7 @@ pytest.importorskip("triton", reason="Triton is not installed (the dev extra): t
 
 from kernels import store_kv, store_kv_ref  # noqa: E402
 from kernels.kv_quant import EPS, QMAX  # noqa: E402
-from tests.kernels.test_kv_quant import QUANT_DTYPES, e4m3_exact, empty_scales  # noqa: E402
+from tests.kernels.test_kv_quant import QUANT_DTYPES, e4m3_exact, empty_scales, scales_by_slot  # noqa: E402
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
@@ -73,7 +73,8 @@ def test_store_kv_quantized_zero_vectors_ties_and_guards():
     scales = empty_scales(k_cache)
     store_kv(k, k, k_cache, v_cache, torch.tensor([0, 5]), kv_scales=scales)
     assert k_cache.view(-1, 2, 16)[0].eq(0).all() and v_cache.view(-1, 2, 16)[0].eq(0).all()
-    assert scales[0].view(-1, 2)[0].eq(EPS / QMAX[torch.int8]).all()
+    assert scales_by_slot(scales[0])[0].eq(EPS / QMAX[torch.int8]).all()
+    assert scales_by_slot(scales[0])[5].eq(k[1].abs().amax(-1) / QMAX[torch.int8]).all()  # block 1, offset 1
     assert k_cache.view(-1, 2, 16)[5, 1, :6].tolist() == [127, 1, -1, 2, -3, -127]
     with pytest.raises(AssertionError, match="needs kv_scales"):
         store_kv(k, k, k_cache, v_cache, torch.tensor([0, 5]))
@@ -81,3 +82,6 @@ def test_store_kv_quantized_zero_vectors_ties_and_guards():
         store_kv(k, k, k_cache.float(), v_cache.float(), torch.tensor([0, 5]), kv_scales=scales)
     with pytest.raises(AssertionError, match="kv_scales must be contiguous float32"):
         store_kv(k, k, k_cache, v_cache, torch.tensor([0, 5]), kv_scales=(scales[0].half(), scales[1]))
+    token_major = tuple(s.transpose(1, 2).contiguous() for s in scales)  # [num_blocks, block_size, KVH]
+    with pytest.raises(AssertionError, match=r"kv_scales must be contiguous float32 \(2, 2, 4\)"):
+        store_kv(k, k, k_cache, v_cache, torch.tensor([0, 5]), kv_scales=token_major)

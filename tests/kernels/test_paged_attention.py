@@ -20,13 +20,14 @@ HEADS = [(4, 2), (2, 2), (6, 2)]
 
 @pytest.fixture(params=["default_tiles", "wide_tiles", "small_tiles"])
 def tiles(request, monkeypatch):
-    """The GPU tile sizes (the narrow decode config at these tiny batches, or the wide one forced),
-    and small ones so tiny shapes still cross many tiles and splits."""
+    """The GPU tile sizes (the narrow decode config at these tiny batches, or the wide one forced;
+    a quantized pool's own), and small ones so tiny shapes still cross many tiles and splits."""
     if request.param == "wide_tiles":
         monkeypatch.setattr(paged_attention, "WIDE_MIN_PROGRAMS_PER_SM", 0)
     if request.param == "small_tiles":
         monkeypatch.setattr(paged_attention, "DECODE_BLOCK_N", 16)
         monkeypatch.setattr(paged_attention, "DECODE_NARROW", (16, 4, 2))
+        monkeypatch.setattr(paged_attention, "DECODE_QUANT", (16, 4, 2))
         monkeypatch.setattr(paged_attention, "PREFILL_BLOCK_M", 16)
         monkeypatch.setattr(paged_attention, "PREFILL_BLOCK_N", 16)
     return request.param

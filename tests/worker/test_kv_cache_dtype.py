@@ -75,8 +75,42 @@ def test_the_same_bytes_hold_more_blocks(make_engine):
     kv = engines["int8"].runner.kv_caches
     used = sum(t.numel() * t.element_size() for layer in kv for t in (layer.k, layer.v, *layer.scales))
     assert used <= mib
+    assert kv[0].scales[0].shape == (blocks["int8"], model.kv_heads, 16)  # [num_blocks, KVH, block_size]
     # What a worker reports (its Stats) is the quantized pool's real capacity.
     assert engines["int8"].stats().kv_blocks_total == blocks["int8"]
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.int8, torch.float8_e4m3fn])
+def test_the_torch_backend_keeps_the_kernels_pool_format(kv_dtype):
+    """The torch backend writes a quantized pool as the kernels do (their reference: data per slot,
+    scales [num_blocks, KVH, block_size]) and reads it back as they do, prefill and decode."""
+    from kernels.reference import paged_decode_attention_ref, paged_prefill_attention_ref, store_kv_ref
+    from worker.engine.model_runner import allocate_kv_pool
+    from worker.models.attention import AttentionMetadata, TorchAttentionBackend
+
+    cpu, block_size, table = torch.device("cpu"), 4, [4, 1, 3]
+    pool, ref = (allocate_kv_pool(1, 6, block_size, 2, 16, kv_dtype, cpu)[0] for _ in range(2))
+    tables = torch.tensor([table], dtype=torch.int32)
+    for start, num_new in ((0, 10), (10, 1)):  # a prefill of 10 tokens, then a decode
+        pos = torch.arange(start, start + num_new)
+        slots = torch.tensor(table)[pos // block_size] * block_size + pos % block_size
+        meta = AttentionMetadata(slot_mapping=slots, query_start=[0, num_new], context_lens=[start + num_new],
+                                 block_tables=[table], block_size=block_size, num_decodes=int(start > 0))
+        backend = TorchAttentionBackend()
+        backend.prepare(meta, cpu)
+        q, k, v = torch.randn(num_new, 4, 16), torch.randn(num_new, 2, 16), torch.randn(num_new, 2, 16)
+        got = backend.forward(q, k, v, pool.k, pool.v, meta, 0.25, kv_scales=pool.scales)
+        store_kv_ref(k, v, ref.k, ref.v, slots, kv_scales=ref.scales)
+        assert torch.equal(pool.k.view(torch.uint8), ref.k.view(torch.uint8))
+        assert torch.equal(pool.v.view(torch.uint8), ref.v.view(torch.uint8))
+        assert all(torch.equal(a, b) for a, b in zip(pool.scales, ref.scales))
+        ctx = torch.tensor([start + num_new], dtype=torch.int32)
+        if start:
+            want = paged_decode_attention_ref(q, ref.k, ref.v, tables, ctx, 0.25, kv_scales=ref.scales)
+        else:
+            qsl = torch.tensor([0, num_new], dtype=torch.int32)
+            want = paged_prefill_attention_ref(q, ref.k, ref.v, tables, qsl, ctx, 0.25, kv_scales=ref.scales)
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
 def test_finished_cancelled_and_preempted_requests_free_every_quantized_block(make_engine, prompt_ids):

@@ -58,13 +58,14 @@ def kv_bytes_per_block(model_cfg: ModelConfig, block_size: int, dtype: torch.dty
 def allocate_kv_pool(num_layers: int, num_blocks: int, block_size: int, kv_heads: int, head_dim: int,
                      dtype: torch.dtype, device: torch.device) -> list[LayerKV]:
     """Per layer, K and V [num_blocks, block_size, kv_heads, head_dim] (and for a quantized pool
-    their scales [num_blocks, block_size, kv_heads]), zeroed."""
+    their scales [num_blocks, kv_heads, block_size]: kernels/kv_quant.py), zeroed."""
     shape = (num_blocks, block_size, kv_heads, head_dim)
 
     def scales() -> tuple[torch.Tensor, torch.Tensor] | None:
         if not is_quantized(dtype):
             return None
-        return tuple(torch.zeros(shape[:3], dtype=torch.float32, device=device) for _ in range(2))
+        return tuple(torch.zeros(num_blocks, kv_heads, block_size, dtype=torch.float32, device=device)
+                     for _ in range(2))
 
     return [LayerKV(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device),
                     scales()) for _ in range(num_layers)]
@@ -202,8 +203,8 @@ class ModelRunner:
         if logits is None:  # prefill chunks only: nothing samples
             return PendingTokens(torch.empty(0, dtype=torch.long, device=self.device))
         params = [s.params for s in samplers]
-        return PendingTokens(sample_tokens(steer(logits, params, self._hold(samplers, counted), self._grammar(samplers)),
-                                           params, [s.next_generator(logits.device, counted) for s in samplers]))
+        steered = steer(logits, params, self._hold(samplers, counted), self._grammar(samplers))
+        return PendingTokens(sample_tokens(steered, params, [s.next_generator(logits.device, counted) for s in samplers]))
 
     @torch.inference_mode()
     def execute(self, inputs: StepInputs, ids: torch.Tensor | None = None

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Iterator, NamedTuple
 import torch
 import torch.nn.functional as F
 
-from kernels.kv_quant import dequantize_kv, quantize_kv
+from kernels.kv_quant import dequantize_kv, quantize_kv, token_major
 
 if TYPE_CHECKING:
     from worker.models.layers import RotaryEmbedding
@@ -33,7 +33,7 @@ if TYPE_CHECKING:
 
 class LayerKV(NamedTuple):
     """One layer's share of the KV pool: K and V [num_blocks, block_size, KVH, D]; in a quantized
-    pool (int8 / fp8) also their scales, each [num_blocks, block_size, KVH] (kernels/kv_quant.py)."""
+    pool (int8 / fp8) also their scales, each [num_blocks, KVH, block_size] (kernels/kv_quant.py)."""
 
     k: torch.Tensor
     v: torch.Tensor
@@ -151,17 +151,20 @@ class TorchAttentionBackend(AttentionBackend):
                 return k_flat[slots], v_flat[slots]
         else:  # a quantized pool: store data + scale, read back dequantized in q's dtype
             # Through uint8 views: CPU torch has no index_copy_ for fp8 (both formats are a byte).
-            kv_dtype = k_cache.dtype
+            # The scales, [num_blocks, KVH, block_size], through views indexed by (block, offset).
+            kv_dtype, bs = k_cache.dtype, k_cache.shape[1]
             k_bytes, v_bytes = k_flat.view(torch.uint8), v_flat.view(torch.uint8)
-            ks_flat, vs_flat = (s.view(-1, num_kv_heads) for s in kv_scales)
-            for x, flat, s_flat in ((k, k_bytes, ks_flat), (v, v_bytes, vs_flat)):
+            ks_tok, vs_tok = (token_major(s) for s in kv_scales)
+            new = (meta.slot_mapping // bs, meta.slot_mapping % bs)
+            for x, flat, s_tok in ((k, k_bytes, ks_tok), (v, v_bytes, vs_tok)):
                 data, sc = quantize_kv(x, kv_dtype)
                 flat.index_copy_(0, meta.slot_mapping, data.view(torch.uint8))
-                s_flat.index_copy_(0, meta.slot_mapping, sc)
+                s_tok[new] = sc
 
             def gather(slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-                return (dequantize_kv(k_bytes[slots].view(kv_dtype), ks_flat[slots], q.dtype),
-                        dequantize_kv(v_bytes[slots].view(kv_dtype), vs_flat[slots], q.dtype))
+                blk, off = slots // bs, slots % bs
+                return (dequantize_kv(k_bytes[slots].view(kv_dtype), ks_tok[blk, off], q.dtype),
+                        dequantize_kv(v_bytes[slots].view(kv_dtype), vs_tok[blk, off], q.dtype))
         out = torch.empty_like(q)
         nd = meta.num_decodes
         if nd:
