@@ -32,6 +32,7 @@ import torch
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.tp_gpu import copy_bandwidth  # noqa: E402
 from kernels.kv_quant import KV_CACHE_DTYPES  # noqa: E402
 from worker.engine.config import EngineConfig  # noqa: E402
 from worker.engine.llm_engine import LLMEngine  # noqa: E402
@@ -44,19 +45,6 @@ MODEL = "dummy:llama-3.1-8b"
 
 def storage(name: str) -> torch.dtype:
     return torch.bfloat16 if name == "auto" else KV_CACHE_DTYPES[name]
-
-
-def copy_bandwidth(device) -> float:
-    a = torch.empty(2**30, dtype=torch.uint8, device=device)
-    b = torch.empty_like(a)
-    for _ in range(3):
-        b.copy_(a)
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(10):
-        b.copy_(a)
-    torch.cuda.synchronize()
-    return 2 * a.numel() * 10 / (time.perf_counter() - start)  # bytes read + written
 
 
 def decode_attention(name: str, device, batch=64, ctx=4096, heads=32, kv_heads=8, dim=128, bs=16) -> dict:
@@ -153,7 +141,7 @@ def main() -> None:
     args = ap.parse_args()
     device = torch.device("cuda")
     results: dict = {"device": torch.cuda.get_device_name(), "args": vars(args),
-                     "copy_gb_s": copy_bandwidth(device) / 1e9}
+                     "copy_gb_s": copy_bandwidth() / 1e9}
     print(f"{results['device']}: copy {results['copy_gb_s']:.0f} GB/s", flush=True)
 
     if args.sweep_decode:
