@@ -241,3 +241,15 @@ def test_a_checkpoint_of_another_shape_is_refused_naming_the_tensor(as_rank):
     weights["model.layers.1.self_attn.k_proj.weight"] = torch.zeros(3 * cfg.head_dim, cfg.hidden_size)
     with pytest.raises(ValueError, match="model.layers.1.self_attn.k_proj.weight: k_proj: checkpoint has 48 rows"):
         model.load_weights(weights.items())
+
+
+@pytest.mark.slow
+def test_an_int8_kv_pool_under_tp_matches_tp1(tp_worker):
+    """Each rank quantizes its own KV heads (a scale per token and head needs no other rank's): a
+    TP=2 worker over an int8 pool gives the tokens of one process over an int8 pool."""
+    prompts = [[(5 * i + 11 * j) % 500 + 1 for j in range(7 + 8 * i)] for i in range(6)]
+    tp1 = LLMEngine(EngineConfig(model="dummy:tiny", kv_cache_dtype="int8"))
+    expected = tp1.generate(prompts, SamplingParams(max_tokens=24, temperature=0, ignore_eos=True))
+    worker = tp_worker("--model", "dummy:tiny", "--tp", "2", "--kv-cache-dtype", "int8",
+                       "--max-num-batched-tokens", "32")
+    assert _greedy(worker.address, prompts, max_tokens=24) == expected
