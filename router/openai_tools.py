@@ -214,7 +214,6 @@ class ToolDeltas:
             self.sent += len(calls)
         return delta
 
-
     def _named(self, text: str) -> dict[str, Any]:
         if self.named_call is None:  # the first delta: the call's head, with what arguments there are
             self.named_call, self.sent = ToolCall(self.calling.forced, text), 1
