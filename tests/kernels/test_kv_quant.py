@@ -5,7 +5,7 @@ Also the helpers the kernel tests share for quantized pools."""
 import pytest
 import torch
 
-from kernels.kv_quant import EPS, QMAX, dequantize_kv, quantize_kv, token_major
+from kernels.kv_quant import EPS, KV_CACHE_DTYPES, QMAX, dequantize_kv, quantize_kv, token_major
 from kernels.reference import paged_decode_attention_ref, paged_prefill_attention_ref, store_kv_ref
 
 QUANT_DTYPES = [torch.int8, torch.float8_e4m3fn]
@@ -161,3 +161,9 @@ def test_reference_attention_over_a_quantized_pool_is_close_to_float(dtype):
     # and exactly attention over the dequantized pool
     deq = [dequantize_kv(c, s, torch.float32) for c, s in ((k_cache, k_scales), (v_cache, v_scales))]
     torch.testing.assert_close(got, paged_prefill_attention_ref(qp, *deq, tables, qsl, ctx, scale))
+
+
+def test_the_config_names_and_the_storage_dtypes_are_one_list():
+    from worker.engine.config import KV_CACHE_DTYPE_NAMES
+
+    assert set(KV_CACHE_DTYPE_NAMES) == {"auto", *KV_CACHE_DTYPES}

@@ -5,8 +5,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from kernels.kv_quant import KV_CACHE_DTYPES
 from protos.block_hash import DEFAULT_BLOCK_SIZE
+
+# --kv-cache-dtype's names, torch-free (the router process checks configs without torch);
+# kernels.kv_quant.KV_CACHE_DTYPES maps the quantized ones to storage dtypes
+KV_CACHE_DTYPE_NAMES = ("auto", "int8", "fp8")
 
 
 @dataclass
@@ -65,9 +68,9 @@ class EngineConfig:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
-        if self.kv_cache_dtype != "auto" and self.kv_cache_dtype not in KV_CACHE_DTYPES:
-            raise ValueError(f"kv_cache_dtype must be auto, {' or '.join(KV_CACHE_DTYPES)}, "
-                             f"got {self.kv_cache_dtype!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPE_NAMES:
+            *first, last = KV_CACHE_DTYPE_NAMES
+            raise ValueError(f"kv_cache_dtype must be {', '.join(first)} or {last}, got {self.kv_cache_dtype!r}")
         if (self.generation_config not in ("auto", "vllm")
                 and not Path(self.generation_config, "generation_config.json").is_file()):
             raise ValueError(f"generation_config must be auto, vllm or a folder with a generation_config.json, got "
