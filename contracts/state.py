@@ -30,6 +30,11 @@ class WorkerLoad:
     kv_blocks_free: int = 0
     kv_blocks_total: int = 0
     queued_tokens: int = 0  # prompt tokens still to prefill, across running and waiting
+    # Speculative decoding since the worker started (0 without --speculative): drafted tokens,
+    # accepted ones, verifications. Totals, not rates: the router's metrics export them as counters.
+    spec_drafted_tokens: int = 0
+    spec_accepted_tokens: int = 0
+    spec_verifications: int = 0
 
 
 @dataclass

@@ -53,6 +53,7 @@ class _EngineFlag:
     field: str  # the EngineConfig field it sets
     type: Callable[[str], Any]
     help: str
+    unset: str = "auto"  # what the field's None default means, for --help
 
 
 _ENGINE_FLAGS = (
@@ -74,6 +75,13 @@ _ENGINE_FLAGS = (
     _EngineFlag("--generation-config", "generation_config", str,
                 "sampling defaults for fields a request leaves unset: auto (the model's generation_config.json, "
                 "or its --tokenizer folder's), vllm (the engine's: temperature 1, top_p 1, no top-k) or a folder"),
+    _EngineFlag("--speculative", "speculative", str,
+                "speculative decoding: ngram or ngram:MIN-MAX: prompt lookup drafts (what followed the latest "
+                "earlier match of the last MIN..MAX tokens; default 1-4), one forward verifies them; the output "
+                "is the target model's, exactly (greedy) or in distribution (sampled). A request opts out with "
+                "speculative: false", unset="off"),
+    _EngineFlag("--num-speculative-tokens", "num_speculative_tokens", int,
+                "tokens --speculative drafts per step, 1 to 16"),
     _EngineFlag("--tp", "tensor_parallel_size", int,
                 "tensor parallel size: ranks (GPUs of this node with --device cuda, else CPU processes) the "
                 "model is split over; --kv-cache-memory is then per rank"),
@@ -93,7 +101,7 @@ def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("engine (EngineConfig)")
     for spec in _ENGINE_FLAGS:
         default = _field_default(fields[spec.field])
-        shown = "auto" if default is None else _format_bytes(default) if spec.type is parse_bytes else default
+        shown = spec.unset if default is None else _format_bytes(default) if spec.type is parse_bytes else default
         # SUPPRESS: an absent flag stays absent, so EngineConfig applies its own default.
         group.add_argument(
             spec.flag, dest=spec.field, type=spec.type, default=argparse.SUPPRESS,

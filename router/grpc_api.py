@@ -90,6 +90,9 @@ class RouterServicer(pb_grpc.KVCascadeServicer):
             prefix_hit_rate=hits / queries if queries else 0.0,
             block_size=workers[0].block_size if workers else 0,
             model=",".join(sorted({w.model for w in workers})),
+            spec_drafted_tokens=sum(w.load.spec_drafted_tokens for w in workers),
+            spec_accepted_tokens=sum(w.load.spec_accepted_tokens for w in workers),
+            spec_verifications=sum(w.load.spec_verifications for w in workers),
         )
 
 

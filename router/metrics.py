@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Mapping
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily
+
+from contracts.state import WorkerLoad
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 _TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28)
@@ -34,6 +39,7 @@ class RouterMetrics:
         self.worker_kv_free = Gauge("kvcascade_worker_kv_blocks_free", "Free KV blocks per worker", ["worker"],
                                     registry=r)
         self.workers_live = Gauge("kvcascade_workers_live", "Workers with a live heartbeat", registry=r)
+        self.worker_speculation = WorkerSpeculation(r)
         # The cascade (router/cascade.py). Escalation rate of a tier:
         # decisions{outcome="escalate"} / decisions, both per tier.
         self.cascade_decisions = Counter("kvcascade_cascade_decisions", "Judged cascade trials by tier and outcome "
@@ -70,3 +76,39 @@ class RouterMetrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+# (WorkerLoad field, metric name, help): exported as counters (name_total), so PromQL rate()
+# takes a worker's restart as a counter reset.
+_SPECULATION = (
+    ("spec_drafted_tokens", "kvcascade_worker_spec_drafted_tokens",
+     "Draft tokens a worker proposed (--speculative) since it started. Acceptance rate: "
+     "rate(kvcascade_worker_spec_accepted_tokens_total[5m]) / rate(kvcascade_worker_spec_drafted_tokens_total[5m])"),
+    ("spec_accepted_tokens", "kvcascade_worker_spec_accepted_tokens",
+     "Draft tokens a worker's model accepted (of kvcascade_worker_spec_drafted_tokens) since it started"),
+    ("spec_verifications", "kvcascade_worker_spec_verifications",
+     "Verifications on a worker (a sequence's step with drafts) since it started. Tokens a verification emits: "
+     "(rate(kvcascade_worker_spec_accepted_tokens_total[5m]) + rate(kvcascade_worker_spec_verifications_total[5m])) "
+     "/ rate(kvcascade_worker_spec_verifications_total[5m])"),
+)
+
+
+class WorkerSpeculation:
+    """Each live worker's speculative-decoding totals, which it keeps and heartbeats (WorkerLoad),
+    as counters labelled by worker. Counters, not gauges: the router only relays the workers' own
+    running totals, and a worker that restarts starts again from 0, which rate() handles."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self._loads: dict[str, WorkerLoad] = {}
+        registry.register(self)
+
+    def set(self, loads: Mapping[str, WorkerLoad]) -> None:
+        """The workers of the last registry read; one no longer live is no longer exported."""
+        self._loads = dict(loads)
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        for field, name, documentation in _SPECULATION:
+            family = CounterMetricFamily(name, documentation, labels=["worker"])
+            for worker, load in self._loads.items():
+                family.add_metric([worker], getattr(load, field))
+            yield family

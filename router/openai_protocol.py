@@ -70,6 +70,8 @@ class _Request(StructuredOutputFields):
     stop_token_ids: list[TokenId] | None = None
     min_tokens: Int32 | None = None
     logit_bias: dict[str, float] | None = None  # OpenAI's: token ids (as strings) -> bias in [-100, 100]
+    # kvcascade's: false opts this request out of the workers' speculative decoding (--speculative)
+    speculative: bool | None = None
     # Cascade extensions (router --cascade): false skips it; a tier name pins that tier.
     cascade: bool | None = None
     tier: str | None = None
@@ -103,6 +105,8 @@ class _Request(StructuredOutputFields):
         s.ignore_eos = bool(self.ignore_eos)
         if self.min_tokens is not None:
             s.min_tokens = self.min_tokens
+        if self.speculative is not None:
+            s.speculative = self.speculative
         for token, bias in (self.logit_bias or {}).items():
             # ASCII digits only ("²" is a digit to isdigit, not to int), and few of them before int().
             if not (token.isascii() and token.isdigit() and len(token) <= 10) or int(token) >= 2**31:

@@ -231,6 +231,7 @@ class Router:
             self.metrics.worker_running.labels(w.worker_id).set(w.load.running)
             self.metrics.worker_waiting.labels(w.worker_id).set(w.load.waiting)
             self.metrics.worker_kv_free.labels(w.worker_id).set(w.load.kv_blocks_free)
+        self.metrics.worker_speculation.set({w.worker_id: w.load for w in workers})
 
     def _with_recent(self, workers: list[WorkerInfo]) -> list[WorkerInfo]:
         """``workers`` plus those of the last read that are missing from it but heartbeat within

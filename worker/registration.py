@@ -44,7 +44,9 @@ class WorkerPublisher:
     def _load(self) -> WorkerLoad:
         s = self.engine.stats()
         return WorkerLoad(running=s.running, waiting=s.waiting, kv_blocks_free=s.kv_blocks_free,
-                          kv_blocks_total=s.kv_blocks_total, queued_tokens=s.pending_prefill_tokens)
+                          kv_blocks_total=s.kv_blocks_total, queued_tokens=s.pending_prefill_tokens,
+                          spec_drafted_tokens=s.spec_drafted, spec_accepted_tokens=s.spec_accepted,
+                          spec_verifications=s.spec_verifications)
 
     async def start(self) -> None:
         """Register now (so the worker is routable when this returns), then keep publishing."""

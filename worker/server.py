@@ -178,6 +178,9 @@ class WorkerServicer(pb_grpc.KVCascadeServicer):
             prefix_hits=stats.prefix_hits,
             block_size=stats.block_size,
             model=self._engine.model_id,
+            spec_drafted_tokens=stats.spec_drafted,
+            spec_accepted_tokens=stats.spec_accepted,
+            spec_verifications=stats.spec_verifications,
         )
 
 

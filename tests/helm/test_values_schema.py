@@ -25,6 +25,8 @@ def test_variants_pass_the_schema(variant):
      "at '/workers/engine': additional properties 'max-num-seq' not allowed"),
     ({"workers": {"engine": {"kv-cache-memory": "a lot"}}}, "at '/workers/engine/kv-cache-memory'"),
     ({"workers": {"engine": {"dtype": "fp8"}}}, "at '/workers/engine/dtype'"),
+    ({"workers": {"engine": {"speculative": "medusa"}}}, "at '/workers/engine/speculative'"),
+    ({"workers": {"engine": {"num-speculative-tokens": 17}}}, "at '/workers/engine/num-speculative-tokens'"),
     ({"workers": {"shmSize": "big"}}, "at '/workers/shmSize'"),
     ({"workers": {"modelMountPath": "models"}}, "at '/workers/modelMountPath'"),
     ({"workers": {"kuberay": {"rayVersion": "latest"}}}, "at '/workers/kuberay/rayVersion'"),

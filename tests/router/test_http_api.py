@@ -413,6 +413,7 @@ BAD_BODIES = {
     "logit_bias key of 5000 digits": ("/v1/completions", {"prompt": PROMPT, "logit_bias": {"9" * 5000: 1}},
                                       "logit_bias"),
     "logit_bias over 100": ("/v1/chat/completions", {**MESSAGES, "logit_bias": {"5": 200}}, "logit_bias"),
+    "speculative not a bool": ("/v1/chat/completions", {**MESSAGES, "speculative": "notabool"}, "speculative"),
     "min_tokens over max_tokens": ("/v1/completions", {"prompt": PROMPT, "max_tokens": 2, "min_tokens": 3},
                                    "min_tokens"),
     "max_tokens over the context": ("/v1/completions", {"prompt": PROMPT, "max_tokens": 100000}, "max_tokens"),

@@ -68,7 +68,8 @@ def stored(*hs: int) -> list[CacheEvent]:
 # ---- registry ----------------------------------------------------------------------------------
 
 async def test_register_round_trips_every_field_and_filters_by_model(state):
-    load = WorkerLoad(running=3, waiting=1, kv_blocks_free=100, kv_blocks_total=512, queued_tokens=700)
+    load = WorkerLoad(running=3, waiting=1, kv_blocks_free=100, kv_blocks_total=512, queued_tokens=700,
+                      spec_drafted_tokens=90, spec_accepted_tokens=40, spec_verifications=30)
     b_info = worker("b", load=load, model_source="/models/smollm2.gguf")
     await state.registry.register(b_info, ttl_s=5)
     await state.registry.register(worker("a", model="other"), ttl_s=5)

@@ -134,6 +134,17 @@ class BlockManager:
         seq.block_table.clear()
         seq.block_hashes.clear()
 
+    def trim(self, seq: Sequence, num_tokens: int) -> None:
+        """Free ``seq``'s blocks past the first ``num_tokens`` tokens (speculative decoding: the
+        blocks of rejected drafts). Such blocks hold no verified full block, so none is cached."""
+        keep = self.blocks_needed(num_tokens)
+        assert keep >= len(seq.block_hashes), "trimming a cached block"
+        while len(seq.block_table) > keep:
+            block = seq.block_table.pop()
+            self.ref_count[block] -= 1
+            assert self.ref_count[block] == 0 and self.block_hash[block] is None, f"block {block} is shared or cached"
+            self._free.append(block)
+
     def cache_full_blocks(self, seq: Sequence) -> None:
         """Register the sequence's newly completed blocks in the prefix cache."""
         if not self.enable_prefix_caching:

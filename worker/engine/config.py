@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -10,6 +11,29 @@ from protos.block_hash import DEFAULT_BLOCK_SIZE
 # --kv-cache-dtype's names, torch-free (the router process checks configs without torch);
 # kernels.kv_quant.KV_CACHE_DTYPES maps the quantized ones to storage dtypes
 KV_CACHE_DTYPE_NAMES = ("auto", "int8", "fp8")
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """``--speculative``: ``ngram`` or ``ngram:MIN-MAX`` (prompt lookup over n-grams of MIN to MAX
+    tokens, default 1-4), with ``num_tokens`` drafted per step (speculative.py)."""
+
+    method: str
+    num_tokens: int
+    ngram_min: int = 1
+    ngram_max: int = 4
+
+    @staticmethod
+    def parse(spec: str, num_tokens: int) -> SpeculativeConfig:
+        m = re.fullmatch(r"ngram(?::(\d+)-(\d+))?", spec)
+        if m is None:
+            raise ValueError(f"speculative must be ngram or ngram:MIN-MAX, got {spec!r}")
+        if not 1 <= num_tokens <= 16:
+            raise ValueError(f"num_speculative_tokens must be in [1, 16], got {num_tokens}")
+        lo, hi = (int(m.group(1)), int(m.group(2))) if m.group(1) else (1, 4)
+        if not 1 <= lo <= hi:
+            raise ValueError(f"speculative ngram sizes must satisfy 1 <= MIN <= MAX, got {spec!r}")
+        return SpeculativeConfig("ngram", num_tokens, lo, hi)
 
 
 @dataclass
@@ -53,6 +77,15 @@ class EngineConfig:
     # Defaults for the sampling fields a request leaves unset: auto (the model's generation_config),
     # vllm (the engine's own) or a folder with a generation_config.json (generation_config.py).
     generation_config: str = "auto"
+    # Speculative decoding (speculative.py): None (off), ngram or ngram:MIN-MAX; a drafter proposes
+    # num_speculative_tokens tokens per decode step and one target forward verifies them.
+    speculative: str | None = None
+    num_speculative_tokens: int = 4
+
+    @property
+    def speculative_config(self) -> SpeculativeConfig | None:
+        return None if self.speculative is None else SpeculativeConfig.parse(self.speculative,
+                                                                                self.num_speculative_tokens)
 
     def __post_init__(self) -> None:
         positive = ("block_size", "kv_cache_bytes", "max_num_batched_tokens", "max_num_seqs", "max_queued_requests",
@@ -75,8 +108,12 @@ class EngineConfig:
                 and not Path(self.generation_config, "generation_config.json").is_file()):
             raise ValueError(f"generation_config must be auto, vllm or a folder with a generation_config.json, got "
                              f"{self.generation_config!r}")
+        if self.speculative is not None:
+            SpeculativeConfig.parse(self.speculative, self.num_speculative_tokens)
         if self.async_scheduling is None:
-            self.async_scheduling = self.device.startswith("cuda")
+            # The lookahead launches a step before the one before is read; a drafter needs every
+            # token known, so speculation runs each step plainly.
+            self.async_scheduling = self.device.startswith("cuda") and self.speculative is None
         if self.freeze_gc is None:
             self.freeze_gc = self.device.startswith("cuda")
         if self.attention_backend == "auto":

@@ -51,6 +51,7 @@ from worker.engine.outputs import EngineStats, RequestOutput, Usage
 from worker.engine.sampling_params import SamplingParams
 from worker.engine.scheduler import ScheduledSeq, Scheduler
 from worker.engine.sequence import Sequence
+from worker.engine.speculative import SpecStats, make_drafter
 from worker.engine.structured_output import Grammars
 from worker.models.backends import create_attention_backend
 from worker.models.llama import LlamaForCausalLM
@@ -84,6 +85,9 @@ class LLMEngine:
         self.requests: dict[str, Sequence] = {}
         self._ids = itertools.count()
         self._inflight: _InFlight | None = None  # the lookahead's launched, unread step
+        self.speculative = config.speculative_config
+        self.drafter = make_drafter(self.speculative) if self.speculative is not None else None
+        self.spec_stats = SpecStats()
         if config.freeze_gc:
             # What start-up built lives as long as the process serves: move it to the permanent
             # generation, so the full collections that the step loop's short-lived objects
@@ -143,7 +147,7 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         if self._inflight is not None:
             return self._step_ahead()
-        batch, overflow = self.scheduler.schedule()
+        batch, overflow = self.scheduler.schedule(drafts=self._propose() if self.drafter is not None else None)
         outputs = [self._finish(seq, "length") for seq in overflow]
         if not batch:
             return outputs
@@ -174,7 +178,7 @@ class LLMEngine:
     # --- the lookahead (module docstring) ----------------------------------------------------
 
     def _can_look_ahead(self, batch: list[ScheduledSeq]) -> bool:
-        return (self.config.async_scheduling and self.runner.tp.size == 1
+        return (self.config.async_scheduling and self.runner.tp.size == 1 and self.drafter is None
                 and all(it.seq.params.logprobs is None for it in batch if it.samples)
                 and not any(_wants_prompt_logprobs(it.seq) for it in batch))
 
@@ -245,33 +249,77 @@ class LLMEngine:
                 outputs += self._run_plain(batch)
         return outputs
 
+    # --- speculative decoding (speculative.py) ---------------------------------------------------
+
+    def _propose(self) -> dict[int, list[int]]:
+        """Drafts for the running sequences in plain decode: id(seq) -> up to k tokens, never more
+        than the request's max_tokens or the context can still take after the target's own token."""
+        drafts: dict[int, list[int]] = {}
+        for seq in self.scheduler.running:
+            if not self._may_speculate(seq):
+                continue
+            room = self.max_model_len - len(seq.token_ids) - 1
+            if seq.params.max_tokens is not None:
+                room = min(room, seq.params.max_tokens - seq.num_output_tokens - 1)
+            k = min(self.speculative.num_tokens, room)
+            if k > 0 and (draft := self.drafter.propose(seq, k)):
+                drafts[id(seq)] = draft
+        return drafts
+
+    def _may_speculate(self, seq: Sequence) -> bool:
+        p = seq.params
+        return (p.speculative and seq.num_tokens - seq.num_computed_tokens == 1 and not seq.num_pending_tokens
+                and seq.matcher is None and seq.num_output_tokens >= p.min_tokens
+                and not _wants_prompt_logprobs(seq))
+
+    def _accept(self, item: ScheduledSeq, emitted: list) -> RequestOutput:
+        """Apply a verification: the accepted drafts' KV stays (the rest is beyond the computed
+        tokens, its blocks returned), and the emitted tokens are taken one by one, stopping where
+        one ends the request."""
+        seq = item.seq
+        accepted = len(emitted) - 1
+        self.spec_stats.record(len(item.draft), accepted)
+        seq.num_computed_tokens += item.num_new_tokens - len(item.draft) + accepted
+        for token, logprob in emitted:
+            reason = self._take(seq, token, logprob)
+            if reason is not None:
+                return self._finish(seq, reason, error=seq.error)
+        self.block_manager.trim(seq, seq.num_tokens)
+        self.block_manager.cache_full_blocks(seq)
+        return self._make_output(seq)
+
+    def _take(self, seq: Sequence, token: int, logprob) -> str | None:
+        """Append one sampled token; why it ends the request, if it does."""
+        seq.token_ids.append(token)
+        seq.pending_token_ids.append(token)
+        if logprob is not None:
+            seq.pending_logprobs.append(logprob)
+        if seq.first_token_time is None:
+            seq.first_token_time = time.monotonic()
+        return self._stop_reason(seq, token)
+
     def _postprocess(self, batch: list[ScheduledSeq], sampled, looked_ahead: bool = False,
                      prompt: list | None = None) -> list[RequestOutput]:
         """Apply a step's results. ``looked_ahead``: the step was launched by the lookahead, which
         advanced its sequences already; its sampled tokens are their pending ones. ``prompt``: the
         prompt logprobs the step computed, per scheduled sequence."""
         outputs = []
-        now = time.monotonic()
         for i, (item, result) in enumerate(zip(batch, sampled)):
             seq = item.seq
             if seq.finished:  # aborted, or finished by the step before (a lookahead step's extra)
                 continue
             if prompt is not None:
                 seq.prompt_logprobs += prompt[i]
+            if item.draft:
+                outputs.append(self._accept(item, result))
+                continue
             if not looked_ahead:
                 self._advance(item)
             if result is None:
                 continue
             if looked_ahead:
                 seq.num_pending_tokens -= 1
-            token, logprob = result
-            seq.token_ids.append(token)
-            seq.pending_token_ids.append(token)
-            if logprob is not None:
-                seq.pending_logprobs.append(logprob)
-            if seq.first_token_time is None:
-                seq.first_token_time = now
-            reason = self._stop_reason(seq, token)
+            reason = self._take(seq, *result)
             if reason is not None:
                 outputs.append(self._finish(seq, reason, error=seq.error))
             else:
@@ -343,6 +391,8 @@ class LLMEngine:
             prefix_queries=bm.prefix_queries, prefix_hits=bm.prefix_hits, block_size=bm.block_size,
             pending_prefill_tokens=sum(s.num_tokens - s.num_computed_tokens - 1 for s in self.requests.values()
                                        if s.num_tokens - s.num_computed_tokens > 1),
+            spec_drafted=self.spec_stats.drafted, spec_accepted=self.spec_stats.accepted,
+            spec_verifications=self.spec_stats.verifications,
         )
 
     def check_integrity(self) -> None:

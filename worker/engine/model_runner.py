@@ -25,6 +25,7 @@ from worker.engine.outputs import TokenLogprob
 from worker.engine.sampler import sample, sample_tokens, steer
 from worker.engine.structured_output import GrammarMask, grammar_mask
 from worker.engine.scheduler import ScheduledSeq
+from worker.engine.speculative import verify
 from kernels.kv_quant import KV_CACHE_DTYPES, is_quantized
 from worker.models.attention import AttentionBackend, AttentionMetadata, LayerKV, forward_context
 from worker.models.config import ModelConfig
@@ -149,21 +150,22 @@ class ModelRunner:
         bs = self.block_size
         for item in batch:
             seq, start, n = item.seq, item.seq.num_computed_tokens, item.num_new_tokens
-            known = seq.token_ids[start : start + n]
-            if len(known) < n:  # its input is the token in flight: a decode row fed on the device
+            known = seq.token_ids[start : start + n - len(item.draft)]
+            if len(known) < n - len(item.draft):  # its input is the token in flight: a decode row fed on the device
                 assert n == 1 and prev_index is not None and id(seq) in prev_index, "input token not sampled yet"
                 ahead_rows.append(len(input_ids))
                 prev_rows.append(prev_index[id(seq)])
                 known = [0]
             input_ids.extend(known)
+            input_ids.extend(item.draft)  # speculative: verified by their logits (speculative.py)
             pos = range(start, start + n)
             positions.extend(pos)
             slots.extend(seq.block_table[p // bs] * bs + p % bs for p in pos)
             query_start.append(query_start[-1] + n)
             context_lens.append(start + n)
             block_tables.append(seq.block_table)
-            if item.samples:
-                sample_rows.append(query_start[-1] - 1)
+            if item.samples:  # the last row, and with drafts the rows that verify them
+                sample_rows.extend(range(query_start[-1] - 1 - len(item.draft), query_start[-1]))
             prompt.counts.append(_prompt_rows(seq, start, n, query_start[-2], prompt))
         # The scheduler puts single-token steps first; the backend batches that run as decodes.
         num_decodes = next((i for i, it in enumerate(batch) if it.num_new_tokens != 1), len(batch))
@@ -204,7 +206,8 @@ class ModelRunner:
             return PendingTokens(torch.empty(0, dtype=torch.long, device=self.device))
         params = [s.params for s in samplers]
         steered = steer(logits, params, self._hold(samplers, counted), self._grammar(samplers))
-        return PendingTokens(sample_tokens(steered, params, [s.next_generator(logits.device, counted) for s in samplers]))
+        generators = [s.next_generator(logits.device, counted) for s in samplers]
+        return PendingTokens(sample_tokens(steered, params, generators))
 
     @torch.inference_mode()
     def execute(self, inputs: StepInputs, ids: torch.Tensor | None = None
@@ -294,16 +297,32 @@ class ModelRunner:
             self._closed = True
             self.tp.broadcast_object(None)
 
-    def _sample(self, batch: list[ScheduledSeq], logits: torch.Tensor) -> list[tuple[int, TokenLogprob | None] | None]:
-        results: list[tuple[int, TokenLogprob | None] | None] = [None] * len(batch)
-        samplers = [item for item in batch if item.samples]
-        seqs = [s.seq for s in samplers]
-        tokens, logprobs = sample(logits, [s.params for s in seqs], [s.next_generator(logits.device) for s in seqs],
-                                  self._hold(seqs), self._grammar(seqs))
-        it = iter(zip(tokens, logprobs))
+    def _sample(self, batch: list[ScheduledSeq], logits: torch.Tensor) -> list:
+        """Per scheduled sequence: None (a partial prefill), its (token, logprob), or with drafts
+        the list of (token, logprob) its verification emits (speculative.py)."""
+        results: list = [None] * len(batch)
+        plain: list[int] = []  # indices into batch
+        spec: list[int] = []
+        plain_rows: list[int] = []
+        spec_rows: list[int] = []
+        row = 0
         for i, item in enumerate(batch):
-            if item.samples:
-                results[i] = next(it)
+            if not item.samples:
+                continue
+            (spec if item.draft else plain).append(i)
+            (spec_rows if item.draft else plain_rows).extend(range(row, row + len(item.draft) + 1))
+            row += len(item.draft) + 1
+        if plain:
+            rows = logits if not spec else logits[to_device(plain_rows, self.device, torch.long)]
+            seqs = [batch[i].seq for i in plain]
+            tokens, logprobs = sample(rows, [s.params for s in seqs], [s.next_generator(rows.device) for s in seqs],
+                                      self._hold(seqs), self._grammar(seqs))
+            for i, token, logprob in zip(plain, tokens, logprobs):
+                results[i] = (token, logprob)
+        if spec:
+            rows = logits if not plain else logits[to_device(spec_rows, self.device, torch.long)]
+            for i, emitted in zip(spec, verify(rows, [batch[i].draft for i in spec], [batch[i].seq for i in spec])):
+                results[i] = emitted
         return results
 
 

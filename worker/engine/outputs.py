@@ -57,6 +57,10 @@ class EngineStats:
     prefix_hits: int  # of those, tokens found
     block_size: int
     pending_prefill_tokens: int = 0  # known tokens not yet computed, over running and waiting requests
+    # Speculative decoding since start (speculative.SpecStats): drafted tokens, accepted ones, verifications
+    spec_drafted: int = 0
+    spec_accepted: int = 0
+    spec_verifications: int = 0
 
     @property
     def prefix_hit_rate(self) -> float:

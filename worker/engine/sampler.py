@@ -41,14 +41,20 @@ def sample_tokens(logits: torch.Tensor, params: list[SamplingParams],
     if sampled_rows:
         device = logits.device
         rows = to_device(sampled_rows, device, torch.long)
-        temps = to_device([params[i].temperature for i in sampled_rows], device, torch.float32)
-        sub = logits[rows].float() / temps.unsqueeze(1)
-        sub = _apply_top_k(sub, [params[i].top_k for i in sampled_rows])
-        sub = _apply_top_p(sub, [params[i].top_p for i in sampled_rows])
-        probs = sub.softmax(dim=-1)
+        probs = probabilities(logits[rows], [params[i] for i in sampled_rows])
         for j, i in enumerate(sampled_rows):
             tokens[i] = torch.multinomial(probs[j], 1, generator=generators[i])[0]
     return tokens
+
+
+def probabilities(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """The distribution each row of ``logits`` [N, V] samples from (temperature > 0: top-k and
+    top-p cuts of the tempered logits, softmaxed), fp32 [N, V]."""
+    temps = to_device([p.temperature for p in params], logits.device, torch.float32)
+    sub = logits.float() / temps.unsqueeze(1)
+    sub = _apply_top_k(sub, [p.top_k for p in params])
+    sub = _apply_top_p(sub, [p.top_p for p in params])
+    return sub.softmax(dim=-1)
 
 
 def steer(logits: torch.Tensor, params: list[SamplingParams], hold: list[list[int] | None],

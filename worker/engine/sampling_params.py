@@ -55,6 +55,8 @@ class SamplingParams:
     prompt_logprobs_start: int = 1
     detokenize: bool = True  # False: token ids only (no text, no stop strings), saves CPU per token
     structured_output: StructuredOutput | None = None  # None: any text
+    # False: this request never speculates, even where the engine drafts (--speculative)
+    speculative: bool = True
 
     def validate(self) -> None:
         if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):

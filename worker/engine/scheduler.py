@@ -20,13 +20,17 @@ from worker.engine.sequence import Sequence, SequenceStatus
 @dataclass
 class ScheduledSeq:
     seq: Sequence
-    num_new_tokens: int
+    num_new_tokens: int  # the drafts included
+    # Speculative decoding: tokens a drafter proposed after the sequence's last, computed in this
+    # step behind it (their logits verify them: speculative.py).
+    draft: list[int] = field(default_factory=list)
     # True when this step completes the sequence's tokens, so the last one's logits give a token.
     # Fixed when scheduled: the lookahead advances the sequence before the step's tokens are read.
     samples: bool = field(init=False)
 
     def __post_init__(self) -> None:
-        self.samples = self.seq.num_computed_tokens + self.num_new_tokens == self.seq.num_tokens
+        known = self.num_new_tokens - len(self.draft)
+        self.samples = self.seq.num_computed_tokens + known == self.seq.num_tokens
 
 
 class Scheduler:
@@ -44,10 +48,14 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def schedule(self, skip: frozenset[int] = frozenset()) -> tuple[list[ScheduledSeq], list[Sequence]]:
+    def schedule(self, skip: frozenset[int] = frozenset(), drafts: dict[int, list[int]] | None = None
+                 ) -> tuple[list[ScheduledSeq], list[Sequence]]:
         """This step's work, decodes first; and sequences that can never fit (to finish by length).
         ``skip``: ids of running sequences to leave out (the lookahead: their pending token is
-        their last; they keep their blocks until it is read)."""
+        their last; they keep their blocks until it is read). ``drafts``: id(seq) -> tokens a
+        drafter proposed for a running sequence in decode; they ride along when the budget and
+        free blocks allow (never at the cost of a preemption)."""
+        drafts = drafts or {}
         budget = self.max_num_batched_tokens
         scheduled: list[ScheduledSeq] = []
         overflow: list[Sequence] = []
@@ -59,6 +67,12 @@ class Scheduler:
                 i += 1
                 continue
             num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            draft = drafts.get(id(seq), [])[: budget - 1]
+            if draft and num_new == 1 and self.bm.allocate(seq, 1 + len(draft)):
+                scheduled.append(ScheduledSeq(seq, 1 + len(draft), draft))
+                budget -= 1 + len(draft)
+                i += 1
+                continue
             outcome = self._allocate_or_preempt(seq, num_new)
             if outcome == "ok":
                 scheduled.append(ScheduledSeq(seq, num_new))
