@@ -88,6 +88,14 @@ PRESETS: dict[str, dict[str, Any]] = {
         rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                       "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
     ),
+    # Llama-3.2-1B's shape: the draft model of a Llama-3.1-8B (same vocabulary) in GPU benchmarks.
+    "llama-3.2-1b": dict(
+        vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_layers=16, num_heads=32,
+        num_kv_heads=8, rms_norm_eps=1e-5, rope_theta=500000.0, max_position_embeddings=131072,
+        tie_word_embeddings=True,
+        rope_scaling={"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
+                      "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
+    ),
     "smollm2-135m": dict(
         vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30, num_heads=9,
         num_kv_heads=3, rms_norm_eps=1e-5, rope_theta=100000.0, max_position_embeddings=8192,

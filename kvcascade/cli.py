@@ -77,7 +77,8 @@ _ENGINE_FLAGS = (
                 "or its --tokenizer folder's), vllm (the engine's: temperature 1, top_p 1, no top-k) or a folder"),
     _EngineFlag("--speculative", "speculative", str,
                 "speculative decoding: ngram or ngram:MIN-MAX: prompt lookup drafts (what followed the latest "
-                "earlier match of the last MIN..MAX tokens; default 1-4), one forward verifies them; the output "
+                "earlier match of the last MIN..MAX tokens; default 1-4), or draft:MODEL: a smaller model with the "
+                "same tokenizer drafts (its KV shares the pool); one forward verifies them; the output "
                 "is the target model's, exactly (greedy) or in distribution (sampled). A request opts out with "
                 "speculative: false", unset="off"),
     _EngineFlag("--num-speculative-tokens", "num_speculative_tokens", int,

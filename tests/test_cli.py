@@ -23,7 +23,7 @@ def test_left_out_speculative_flags_keep_the_engine_defaults():
 
 
 @pytest.mark.parametrize("flags, message", [
-    (["--speculative", "medusa"], "speculative must be ngram or ngram:MIN-MAX, got 'medusa'"),
+    (["--speculative", "medusa"], "speculative must be ngram, ngram:MIN-MAX or draft:MODEL, got 'medusa'"),
     (["--speculative", "ngram", "--num-speculative-tokens", "17"], "num_speculative_tokens must be in [1, 16]"),
     (["--num-speculative-tokens", "four"], "--num-speculative-tokens: invalid int value"),
 ])  # fmt: skip

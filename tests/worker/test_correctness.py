@@ -29,11 +29,11 @@ def test_tiny_token_budget_forces_chunked_prefill(make_engine, prompt_ids, hf_re
     steps_with_partial_prefill = 0
     original = engine.runner.run
 
-    def spy(batch):
+    def spy(batch, *rest):
         nonlocal steps_with_partial_prefill
         steps_with_partial_prefill += any(1 < s.num_new_tokens and not s.samples for s in batch)
         assert sum(s.num_new_tokens for s in batch) <= 13
-        return original(batch)
+        return original(batch, *rest)
 
     engine.runner.run = spy
     assert engine.generate(prompt_ids, GREEDY) == hf_reference

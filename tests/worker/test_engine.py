@@ -36,11 +36,11 @@ def test_mixed_finished_cancelled_and_failed_requests_return_every_block(make_en
     original = engine.runner.run
     calls = {"n": 0}
 
-    def flaky(batch):
+    def flaky(batch, *rest):
         calls["n"] += 1
         if calls["n"] == 1:
             raise RuntimeError("injected fault")
-        return original(batch)
+        return original(batch, *rest)
 
     engine.runner.run = flaky
     outs = engine.step()

@@ -40,7 +40,7 @@ def test_the_ngram_drafter_copies_what_followed_the_latest_longest_match():
 
 def test_speculative_settings_are_checked_and_named():
     assert SpeculativeConfig.parse("ngram:2-5", 3) == SpeculativeConfig("ngram", 3, 2, 5)
-    with pytest.raises(ValueError, match="speculative must be ngram or ngram:MIN-MAX, got 'medusa'"):
+    with pytest.raises(ValueError, match="speculative must be ngram, ngram:MIN-MAX or draft:MODEL, got 'medusa'"):
         EngineConfig(speculative="medusa")
     with pytest.raises(ValueError, match="num_speculative_tokens must be in"):
         EngineConfig(speculative="ngram", num_speculative_tokens=0)
@@ -144,6 +144,9 @@ class _SecondChoice:
             return []
         return [self.choice[seq.token_ids[-1]]]
 
+    def fill(self, batch) -> None:
+        return None
+
 
 def test_sampled_speculation_draws_from_the_targets_distribution(make_engine):
     """The first 3 tokens of one prompt over 1,200 seeds, against the target's exact joint
@@ -177,3 +180,106 @@ def test_sampled_speculation_draws_from_the_targets_distribution(make_engine):
     # Seeds make it reproducible.
     first = engine.generate([prompt] * 4, params[:4])
     assert engine.generate([prompt] * 4, params[:4]) == first
+
+
+def test_the_rejection_rule_with_a_drafters_distribution_gives_the_targets():
+    """verify() with q: one draft drawn from q, decided by min(1, p/q) and the residual
+    max(0, p - q); the emitted first token must follow p, whatever q is."""
+    import torch
+
+    from worker.engine.speculative import verify
+
+    torch.manual_seed(0)
+    vocab, n = 6, 6000
+    p_logits = torch.tensor([[2.0, 1.0, 0.5, 0.0, -1.0, -3.0], [0.0] * vocab])
+    q = torch.tensor([0.05, 0.1, 0.5, 0.2, 0.1, 0.05])  # far from p: most of p's mass is under-proposed
+    p = p_logits[0].softmax(-1)
+    seq = Sequence("r", [1, 2], SamplingParams(temperature=1.0))
+    counts = Counter()
+    for _ in range(n):
+        d = int(torch.multinomial(q, 1))
+        counts[verify(p_logits, [[d]], [seq], [q.unsqueeze(0)])[0][0][0]] += 1
+    chi2 = sum((counts[t] - n * p[t].item()) ** 2 / (n * p[t].item()) for t in range(vocab))
+    assert chi2 < 20.5, f"chi-square {chi2:.1f} at 5 df (p = 0.001: 20.5); counts {dict(counts)}"
+
+
+def test_a_draft_model_with_the_targets_weights_is_always_accepted(make_engine, prompt_ids, hf_reference):
+    engine = make_engine(speculative="draft:smollm2-135m", num_speculative_tokens=3)
+    assert engine.generate(prompt_ids, GREEDY) == hf_reference
+    stats = engine.spec_stats
+    assert stats.verifications > 0 and stats.accepted == stats.drafted, stats
+    engine.check_integrity()
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+
+
+def test_a_draft_models_kv_is_counted_in_the_pool(make_engine):
+    """One block id names the target's and the draft's KV of the same tokens: the pool is sized by
+    both, and the draft's pool has the target's number of blocks."""
+    import torch
+
+    from contracts.models import resolve_model
+    from worker.engine.model_runner import kv_bytes_per_block
+    from worker.models.loader import load_config
+
+    size = 64 * 2**20
+    engine = make_engine(kv_cache_bytes=size, speculative="draft:dummy:smollm2-mini")
+    draft = engine.drafter.runner
+    target = kv_bytes_per_block(engine.model_config, 16, torch.float32, engine.model.kv_heads)
+    drafts = kv_bytes_per_block(load_config(resolve_model("dummy:smollm2-mini")), 16, torch.float32,
+                                draft.model.kv_heads)
+    assert engine.block_manager.num_blocks == size // (target + drafts) == draft.num_blocks
+
+
+def test_a_random_draft_model_changes_nothing_under_preemption_and_chunking(make_engine):
+    """A draft of random weights (SmolLM2's vocabulary): nearly every draft rejected; the output
+    is still the plain engine's, with chunked prefill, prefix hits and preemption."""
+    plain = make_engine()
+    prompts = [plain.tokenize(prompt=p) for p in REPEATING[1:]] * 2 + [plain.tokenize(prompt="hi")]
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    expected = plain.generate(prompts, params)
+    engine = make_engine(speculative="draft:dummy:smollm2-mini", num_speculative_tokens=3, max_num_batched_tokens=24,
+                         num_kv_blocks=9)
+    assert engine.generate(prompts, params) == expected
+    assert engine.scheduler.num_preemptions > 0 and engine.spec_stats.verifications > 0
+    engine.check_integrity()
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+
+
+def test_a_draft_model_of_another_vocabulary_is_refused_by_name(make_engine):
+    with pytest.raises(ValueError, match="draft model 'dummy:tiny' has another vocabulary than the target"):
+        make_engine(speculative="draft:dummy:tiny")
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_a_verification_as_decode_rows_gives_the_chunks_logits(backend):
+    """What the GPU's verify graphs run (model_runner.as_decode_rows): every token of a step as a
+    decode row, rows of one sequence storing their K/V before any attends, gives the logits of
+    the step run as chunks (varlen prefill); a decode beside it keeps its own."""
+    import torch
+
+    from worker.engine.llm_engine import LLMEngine
+    from worker.engine.model_runner import as_decode_rows
+    from worker.engine.scheduler import ScheduledSeq
+
+    if backend == "triton":
+        pytest.importorskip("kernels")
+        import kernels
+
+        if not kernels.HAS_TRITON:
+            pytest.skip("triton is not installed")
+    engine = LLMEngine(EngineConfig(model="dummy:tiny", attention_backend=backend, num_kv_blocks=32, block_size=4))
+    runner = engine.runner
+    seqs = [Sequence("a", list(range(3, 24)), SamplingParams()), Sequence("b", list(range(40, 49)), SamplingParams())]
+    for seq in seqs:  # the context's KV, by a plain prefill
+        assert engine.block_manager.allocate(seq, seq.num_tokens + 4)
+        runner.execute(runner.prepare([ScheduledSeq(seq, seq.num_tokens - 1)]))
+        seq.num_computed_tokens = seq.num_tokens - 1
+    batch = [ScheduledSeq(seqs[1], 1), ScheduledSeq(seqs[0], 4, [7, 8, 9])]  # a decode, then a verification
+    inputs = runner.prepare(batch)
+    assert inputs.num_decodes == 1 and len(inputs.sample_rows) == 5
+    rows = as_decode_rows(inputs)
+    assert rows.num_decodes == 5 and rows.store_first and rows.context_lens == [9, 21, 22, 23, 24]
+    as_rows, _ = runner.execute(rows)  # first: the drafts' slots hold nothing yet
+    as_rows = as_rows.clone()
+    chunked, _ = runner.execute(inputs)
+    torch.testing.assert_close(as_rows, chunked, rtol=1e-4, atol=1e-4)

@@ -27,11 +27,11 @@ def test_triton_backend_matches_torch_backend():
     mixed_steps = 0
     original = fast_engine.runner.run
 
-    def spy(batch):
+    def spy(batch, *rest):
         nonlocal mixed_steps
         sizes = {s.num_new_tokens == 1 for s in batch}
         mixed_steps += sizes == {True, False}
-        return original(batch)
+        return original(batch, *rest)
 
     fast_engine.runner.run = spy
     assert fast_engine.generate(prompts, sp) == ref

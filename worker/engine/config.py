@@ -16,20 +16,24 @@ KV_CACHE_DTYPE_NAMES = ("auto", "int8", "fp8")
 @dataclass(frozen=True)
 class SpeculativeConfig:
     """``--speculative``: ``ngram`` or ``ngram:MIN-MAX`` (prompt lookup over n-grams of MIN to MAX
-    tokens, default 1-4), with ``num_tokens`` drafted per step (speculative.py)."""
+    tokens, default 1-4), or ``draft:MODEL`` (a smaller model with the same tokenizer), with
+    ``num_tokens`` drafted per step (speculative.py)."""
 
-    method: str
+    method: str  # ngram | draft
     num_tokens: int
     ngram_min: int = 1
     ngram_max: int = 4
+    draft_model: str | None = None
 
     @staticmethod
     def parse(spec: str, num_tokens: int) -> SpeculativeConfig:
-        m = re.fullmatch(r"ngram(?::(\d+)-(\d+))?", spec)
-        if m is None:
-            raise ValueError(f"speculative must be ngram or ngram:MIN-MAX, got {spec!r}")
         if not 1 <= num_tokens <= 16:
             raise ValueError(f"num_speculative_tokens must be in [1, 16], got {num_tokens}")
+        if spec.startswith("draft:") and len(spec) > len("draft:"):
+            return SpeculativeConfig("draft", num_tokens, draft_model=spec.removeprefix("draft:"))
+        m = re.fullmatch(r"ngram(?::(\d+)-(\d+))?", spec)
+        if m is None:
+            raise ValueError(f"speculative must be ngram, ngram:MIN-MAX or draft:MODEL, got {spec!r}")
         lo, hi = (int(m.group(1)), int(m.group(2))) if m.group(1) else (1, 4)
         if not 1 <= lo <= hi:
             raise ValueError(f"speculative ngram sizes must satisfy 1 <= MIN <= MAX, got {spec!r}")

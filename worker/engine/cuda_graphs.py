@@ -24,7 +24,9 @@ def graph_sizes(max_batch: int, step: int = 8) -> list[int]:
 
 class DecodeGraphs:
     def __init__(self, model, kv_caches, backend, *, block_size: int, max_model_len: int, max_batch: int,
-                 num_kv_heads: int, device: torch.device, size_step: int = 8):
+                 num_kv_heads: int, device: torch.device, size_step: int = 8, store_first: bool = False):
+        """``store_first``: rows may belong to one sequence (speculative verification, one row per
+        token): each layer stores every row's K/V before attending (two launches, not one)."""
         from kernels import default_num_splits
 
         self.model = model
@@ -54,7 +56,8 @@ class DecodeGraphs:
                 block_tables=[], block_size=block_size, num_decodes=size, kv_caches=kv_caches, backend=backend,
                 extra={"decode_block_tables": self.tables[:size], "decode_context_lens": self.ctx_order[0, :size],
                        "decode_order": self.ctx_order[1, :size],
-                       "decode_num_splits": default_num_splits(size, num_kv_heads, self.width * block_size, device)},
+                       "decode_num_splits": default_num_splits(size, num_kv_heads, self.width * block_size, device),
+                       "decode_store_first": store_first},
             )
             with forward_context(meta):
                 for _ in range(2):  # warm up (Triton compiles) outside the capture

@@ -51,7 +51,8 @@ from worker.engine.outputs import EngineStats, RequestOutput, Usage
 from worker.engine.sampling_params import SamplingParams
 from worker.engine.scheduler import ScheduledSeq, Scheduler
 from worker.engine.sequence import Sequence
-from worker.engine.speculative import SpecStats, make_drafter
+from worker.engine.speculative import SpecStats, make_ngram_drafter
+from worker.engine.draft_model import DraftModelDrafter, load_draft
 from worker.engine.structured_output import Grammars
 from worker.models.backends import create_attention_backend
 from worker.models.llama import LlamaForCausalLM
@@ -74,7 +75,13 @@ class LLMEngine:
         self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(source, config.tokenizer)
         self.max_model_len = _max_model_len(config, self.model_config)
         self.eos_token_ids = set(self.model_config.eos_token_ids)
-        self.runner = build_runner(config, source, self.model_config, model)
+        self.speculative = config.speculative_config
+        draft = None
+        if self.speculative is not None and self.speculative.method == "draft":
+            # loaded first: on CUDA the pool is sized by what the weights of both leave
+            draft = load_draft(config, self.speculative, self.tokenizer, self.model_config)
+        self.runner = build_runner(config, source, self.model_config, model,
+                                   extra_bytes_per_block=draft.bytes_per_block if draft else 0)
         self.model = self.runner.model
         num_blocks = self.runner.num_blocks
         self.max_model_len = _fit_to_pool(config, self.max_model_len, num_blocks)
@@ -85,8 +92,11 @@ class LLMEngine:
         self.requests: dict[str, Sequence] = {}
         self._ids = itertools.count()
         self._inflight: _InFlight | None = None  # the lookahead's launched, unread step
-        self.speculative = config.speculative_config
-        self.drafter = make_drafter(self.speculative) if self.speculative is not None else None
+        self.drafter = None
+        if draft is not None:
+            self.drafter = DraftModelDrafter(draft.runner(self.runner.num_blocks, self.max_model_len))
+        elif self.speculative is not None:
+            self.drafter = make_ngram_drafter(self.speculative)
         self.spec_stats = SpecStats()
         if config.freeze_gc:
             # What start-up built lives as long as the process serves: move it to the permanent
@@ -161,7 +171,8 @@ class LLMEngine:
 
     def _run_plain(self, batch: list[ScheduledSeq]) -> list[RequestOutput]:
         try:
-            sampled, prompt = self.runner.run(batch)
+            draft_probs = self.drafter.fill(batch) if self.drafter is not None else None
+            sampled, prompt = self.runner.run(batch, draft_probs)
         except Exception as exc:  # a failed step fails its batch, never the engine...
             if self.runner.tp.size > 1:
                 # ...except under tensor parallelism: the ranks may now disagree on where they are
@@ -459,9 +470,10 @@ def _max_model_len(config: EngineConfig, model_cfg: ModelConfig) -> int:
 
 
 def build_runner(config: EngineConfig, source, model_cfg: ModelConfig,
-                 model: LlamaForCausalLM | None = None) -> ModelRunner:
+                 model: LlamaForCausalLM | None = None, extra_bytes_per_block: int = 0) -> ModelRunner:
     """This rank's model and KV pool. Every rank of a tensor-parallel worker calls it (rank 0 from
-    LLMEngine, the others from ``follow``) and meets the others in the same collectives."""
+    LLMEngine, the others from ``follow``) and meets the others in the same collectives.
+    ``extra_bytes_per_block``: what a block also costs elsewhere (a draft model's KV)."""
     tp = get_tp()
     if tp.size != config.tensor_parallel_size:
         raise ValueError(f"tensor_parallel_size={config.tensor_parallel_size} but this process is rank "
@@ -471,7 +483,7 @@ def build_runner(config: EngineConfig, source, model_cfg: ModelConfig,
     model = model.eval()
     backend = create_attention_backend(config.attention_backend)
     max_model_len = _max_model_len(config, model_cfg)
-    num_blocks = kv_block_count(config, model_cfg, model, backend, max_model_len)
+    num_blocks = kv_block_count(config, model_cfg, model, backend, max_model_len, extra_bytes_per_block)
     if num_blocks < 1:
         raise ValueError(f"kv_cache_bytes={config.kv_cache_bytes} holds no KV block of this model")
     return ModelRunner(config, model_cfg, model, backend, num_blocks, max_model_len)
@@ -487,14 +499,15 @@ def follow(config: EngineConfig) -> None:
 
 
 def kv_block_count(config: EngineConfig, model_cfg: ModelConfig, model: LlamaForCausalLM, backend,
-                   max_model_len: int) -> int:
+                   max_model_len: int, extra_bytes_per_block: int = 0) -> int:
     """KV blocks in the pool; under tensor parallelism every rank sizes its share and all take the
     smallest, since a block id means the same block on every rank."""
     dtype = kv_storage_dtype(config)
     if config.num_kv_blocks:
         blocks = config.num_kv_blocks
     elif config.device.startswith("cuda"):
-        blocks = cuda_kv_blocks(config, model_cfg, model, backend, max_model_len)
+        blocks = cuda_kv_blocks(config, model_cfg, model, backend, max_model_len, extra_bytes_per_block)
     else:
-        blocks = config.kv_cache_bytes // kv_bytes_per_block(model_cfg, config.block_size, dtype, model.kv_heads)
+        blocks = config.kv_cache_bytes // (kv_bytes_per_block(model_cfg, config.block_size, dtype, model.kv_heads)
+                                           + extra_bytes_per_block)
     return get_tp().min_int(blocks)

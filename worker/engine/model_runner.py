@@ -32,6 +32,8 @@ from worker.models.config import ModelConfig
 from worker.models.transfer import to_device
 
 PROMPT_LOGITS_ROWS = 256  # prompt logprobs: LM-head rows at a time
+# Speculative verification replays graphs of up to this many rows (tokens); larger steps run eager.
+MAX_VERIFY_GRAPH_ROWS = 128
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -91,6 +93,8 @@ class StepInputs:
     # Prompt logprobs (params.prompt_logprobs): the rows scoring a prompt token, that token, how
     # many rows each scheduled sequence has, and the most alternatives any of them wants.
     prompt: PromptRows | None = None
+    # Decode rows of one sequence share the step (as_decode_rows): K/V stored before attention.
+    store_first: bool = False
 
 
 @dataclass
@@ -117,7 +121,7 @@ class ModelRunner:
         self.kv_dtype = kv_storage_dtype(config)
         self.kv_caches = allocate_kv_pool(model_cfg.num_layers, num_blocks, config.block_size, model.kv_heads,
                                           model_cfg.head_dim, self.kv_dtype, self.device)
-        self.graphs = None
+        self.graphs = self.verify_graphs = None
         if config.cuda_graphs and self.device.type == "cuda":
             from worker.engine.cuda_graphs import DecodeGraphs
 
@@ -125,15 +129,24 @@ class ModelRunner:
                                        max_model_len=max_model_len, max_batch=config.max_num_seqs,
                                        num_kv_heads=model.kv_heads, device=self.device,
                                        size_step=config.cuda_graph_step)
+            spec = config.speculative_config
+            if spec is not None:  # verification steps replay graphs too, one row per token
+                self.verify_graphs = DecodeGraphs(
+                    model, self.kv_caches, backend, block_size=config.block_size, max_model_len=max_model_len,
+                    max_batch=min(config.max_num_seqs * (spec.num_tokens + 1), MAX_VERIFY_GRAPH_ROWS),
+                    num_kv_heads=model.kv_heads, device=self.device, size_step=config.cuda_graph_step,
+                    store_first=True)
 
-    def run(self, batch: list[ScheduledSeq]) -> tuple[list[tuple[int, TokenLogprob | None] | None],
-                                                       list[list[TokenLogprob]] | None]:
+    def run(self, batch: list[ScheduledSeq], draft_probs: list[torch.Tensor | None] | None = None
+            ) -> tuple[list, list[list[TokenLogprob]] | None]:
         """One forward pass (rank 0); per scheduled sequence, its sampled token (None for a partial
-        prefill), and when any wants them, per scheduled sequence the prompt logprobs this step computed."""
+        prefill; with drafts, the tokens their verification emits), and when any wants them, per
+        scheduled sequence the prompt logprobs this step computed. ``draft_probs``: per scheduled
+        sequence its drafter's q (speculative.verify)."""
         inputs = self.prepare(batch)
         self.tp.broadcast_object(inputs)
         logits, prompt = self.execute(inputs)
-        sampled = [None] * len(batch) if logits is None else self._sample(batch, logits)
+        sampled = [None] * len(batch) if logits is None else self._sample(batch, logits, draft_probs)
         return sampled, prompt
 
     def prepare(self, batch: list[ScheduledSeq], prev_index: dict[int, int] | None = None) -> StepInputs:
@@ -219,6 +232,14 @@ class ModelRunner:
         if self.graphs is not None and inputs.num_decodes == n and self.graphs.fits(n) and inputs.prompt is None:
             return self.graphs.run(inputs.input_ids, inputs.positions, inputs.slots, inputs.block_tables,
                                    inputs.context_lens, ids), None
+        if (self.verify_graphs is not None and inputs.prompt is None and inputs.ahead_rows is None
+                and self.verify_graphs.fits(len(inputs.input_ids))):
+            rows = as_decode_rows(inputs)
+            logits = self.verify_graphs.run(rows.input_ids, rows.positions, rows.slots, rows.block_tables,
+                                            rows.context_lens)
+            if inputs.sample_rows != rows.sample_rows:
+                logits = logits[to_device(inputs.sample_rows, self.device, torch.long)]
+            return (logits if inputs.sample_rows else None), None
         # Host-to-device copies through pinned memory (to_device): with the lookahead a step is
         # prepared while the one before runs, and a pageable copy would wait for it.
         meta = AttentionMetadata(
@@ -232,6 +253,7 @@ class ModelRunner:
             backend=self.backend,
         )
         self.backend.prepare(meta, self.device)
+        meta.extra["decode_store_first"] = inputs.store_first
         if ids is None:
             ids = to_device(inputs.input_ids, self.device, torch.long)
         pos_t = to_device(inputs.positions, self.device, torch.long)
@@ -297,7 +319,8 @@ class ModelRunner:
             self._closed = True
             self.tp.broadcast_object(None)
 
-    def _sample(self, batch: list[ScheduledSeq], logits: torch.Tensor) -> list:
+    def _sample(self, batch: list[ScheduledSeq], logits: torch.Tensor,
+                draft_probs: list[torch.Tensor | None] | None = None) -> list:
         """Per scheduled sequence: None (a partial prefill), its (token, logprob), or with drafts
         the list of (token, logprob) its verification emits (speculative.py)."""
         results: list = [None] * len(batch)
@@ -321,9 +344,23 @@ class ModelRunner:
                 results[i] = (token, logprob)
         if spec:
             rows = logits if not plain else logits[to_device(spec_rows, self.device, torch.long)]
-            for i, emitted in zip(spec, verify(rows, [batch[i].draft for i in spec], [batch[i].seq for i in spec])):
+            q = [draft_probs[i] for i in spec] if draft_probs is not None else None
+            for i, emitted in zip(spec, verify(rows, [batch[i].draft for i in spec], [batch[i].seq for i in spec], q)):
                 results[i] = emitted
         return results
+
+
+def as_decode_rows(inputs: StepInputs) -> StepInputs:
+    """The step with every token as a decode row of its own: the row at position p attends to its
+    sequence's first p + 1 tokens (what causal attention over the chunk gives it). Verification
+    steps (last token + k drafts per sequence) then run as one batch of decodes -- a CUDA graph --
+    instead of varlen prefill; rows of one sequence need their K/V stored before any attends
+    (``decode_store_first``). Row indices are unchanged, so sample rows stay valid."""
+    tables = [table for i, table in enumerate(inputs.block_tables)
+              for _ in range(inputs.query_start[i + 1] - inputs.query_start[i])]
+    rows = len(inputs.input_ids)
+    return StepInputs(inputs.input_ids, inputs.positions, inputs.slots, list(range(rows + 1)),
+                      [p + 1 for p in inputs.positions], tables, rows, list(range(rows)), store_first=True)
 
 
 def _prompt_rows(seq, start: int, n: int, first_row: int, prompt: PromptRows) -> int:
@@ -364,7 +401,7 @@ class PendingTokens:
 
 @torch.inference_mode()
 def cuda_kv_blocks(config: EngineConfig, model_cfg: ModelConfig, model: torch.nn.Module,
-                   backend: AttentionBackend, max_model_len: int) -> int:
+                   backend: AttentionBackend, max_model_len: int, extra_bytes_per_block: int = 0) -> int:
     """KV blocks that fit in what the weights and a warm-up forward at the full token budget leave
     of ``gpu_memory_utilization`` x the GPU's memory (the way a serving engine sizes its pool)."""
     device = torch.device(config.device)
@@ -390,4 +427,4 @@ def cuda_kv_blocks(config: EngineConfig, model_cfg: ModelConfig, model: torch.nn
     _, total = torch.cuda.mem_get_info(device)
     margin = 512 * 2**20  # CUDA graphs, the allocator's slack
     budget = int(total * config.gpu_memory_utilization) - peak - margin
-    return max(0, budget // kv_bytes_per_block(model_cfg, bs, dtype, model.kv_heads))
+    return max(0, budget // (kv_bytes_per_block(model_cfg, bs, dtype, model.kv_heads) + extra_bytes_per_block))

@@ -44,11 +44,16 @@ from worker.engine.sequence import Sequence
 
 
 class Drafter(Protocol):
-    """Proposes up to ``k`` next tokens for a sequence from its known tokens."""
+    """Proposes up to ``k`` next tokens for a sequence from its known tokens (before scheduling;
+    a model drafter proposes placeholders, their number); ``fill`` runs after scheduling, once the
+    drafts' KV slots exist, writes a model drafter's drafts into the batch and returns, per item,
+    the drafter's distributions q [k, V] of sampled drafts (None: deterministic drafts)."""
 
     name: str
 
     def propose(self, seq: Sequence, k: int) -> list[int]: ...
+
+    def fill(self, batch: list) -> list[torch.Tensor | None] | None: ...
 
 
 class NgramDrafter:
@@ -74,8 +79,11 @@ class NgramDrafter:
                 return tokens[start : start + k].tolist()
         return []
 
+    def fill(self, batch: list) -> None:
+        return None
 
-def make_drafter(spec: SpeculativeConfig) -> Drafter:
+
+def make_ngram_drafter(spec: SpeculativeConfig) -> Drafter:
     return NgramDrafter(spec.ngram_min, spec.ngram_max)
 
 
@@ -103,22 +111,24 @@ class SpecStats:
         return (self.accepted + self.verifications) / self.verifications if self.verifications else 0.0
 
 
-def verify(logits: torch.Tensor, drafts: list[list[int]], seqs: list[Sequence]
-           ) -> list[list[tuple[int, TokenLogprob | None]]]:
+def verify(logits: torch.Tensor, drafts: list[list[int]], seqs: list[Sequence],
+           q: list[torch.Tensor | None] | None = None) -> list[list[tuple[int, TokenLogprob | None]]]:
     """Per speculating sequence, the tokens its step emits (1 .. k+1) with their logprobs when
-    wanted. ``logits``: the target's rows, len(draft) + 1 per sequence, in order."""
+    wanted. ``logits``: the target's rows, len(draft) + 1 per sequence, in order; ``q``: per
+    sequence the drafter's distributions of its drafts [k, V], None where drafts are deterministic."""
+    q = q or [None] * len(seqs)
     counts = [len(d) + 1 for d in drafts]
     params: list[SamplingParams] = [p for seq, c in zip(seqs, counts) for p in [seq.params] * c]
     steered = steer(logits, params, [None] * len(params))
     argmax = steered.argmax(dim=-1).tolist()
     out: list[list[tuple[int, TokenLogprob | None]]] = []
     row = 0
-    for seq, draft in zip(seqs, drafts):
+    for seq, draft, q_seq in zip(seqs, drafts, q):
         rows = slice(row, row + len(draft) + 1)
         if seq.params.greedy:
             tokens = _accept_greedy(argmax[rows], draft)
         else:
-            tokens = _accept_sampled(steered[rows], draft, seq)
+            tokens = _accept_sampled(steered[rows], draft, seq, q_seq)
         out.append(_with_logprobs(logits[rows], tokens, seq.params))
         row += len(draft) + 1
     return out
@@ -132,19 +142,23 @@ def _accept_greedy(argmax: list[int], draft: list[int]) -> list[int]:
     return draft[:n] + [argmax[n]]
 
 
-def _accept_sampled(logits: torch.Tensor, draft: list[int], seq: Sequence) -> list[int]:
-    """The rejection rule with a deterministic drafter (q one-hot on each draft)."""
+def _accept_sampled(logits: torch.Tensor, draft: list[int], seq: Sequence, q: torch.Tensor | None) -> list[int]:
+    """The rejection rule; ``q`` None: a deterministic drafter (q one-hot on each draft)."""
     probs = probabilities(logits, [seq.params] * logits.shape[0])
     index = seq.params.seed_offset + seq.num_output_tokens  # the answer index of the first token decided
     tokens: list[int] = []
     for j, d in enumerate(draft):
         gen = _generator(seq, logits.device, index + j)
-        if torch.rand(1, generator=gen, device=logits.device).item() < probs[j, d].item():
+        u = torch.rand(1, generator=gen, device=logits.device).item()
+        if u * (1.0 if q is None else q[j, d].item()) < probs[j, d].item():  # u < min(1, p(d) / q(d))
             tokens.append(d)
             continue
-        residual = probs[j].clone()
-        residual[d] = 0.0  # max(0, p - q) with q one-hot on d
-        if residual.sum() <= 0:  # p was one-hot on d itself: acceptance was certain (u < 1 failed only on rounding)
+        if q is None:
+            residual = probs[j].clone()
+            residual[d] = 0.0  # max(0, p - q) with q one-hot on d
+        else:
+            residual = (probs[j] - q[j].to(probs.dtype)).clamp_(min=0)
+        if residual.sum() <= 0:  # p <= q nowhere: p == q, so acceptance was certain (failed only on rounding)
             tokens.append(d)
             continue
         tokens.append(int(torch.multinomial(residual, 1, generator=gen)[0]))

@@ -54,7 +54,9 @@ class TritonAttentionBackend(AttentionBackend):
                                           order=extra["decode_order"], kv_scales=kv_scales, **kw)
 
         decodes_only = "prefill_query_start" not in extra  # (the CUDA-graph case)
-        if decodes_only and rope is not None:  # rotary, KV store and attention: one launch
+        # One launch, unless rows of one sequence share the step (speculative verification as
+        # decode rows): a row reads the K/V its neighbours store, so all are stored first.
+        if decodes_only and rope is not None and not extra.get("decode_store_first"):
             positions, rotary = rope
             return decode(q, rope_store=(positions, k, v, rotary.cos, rotary.sin, meta.slot_mapping))
         if rope is None:
