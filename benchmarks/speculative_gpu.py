@@ -62,7 +62,12 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--alphas", nargs="+", type=float, default=[0.6, 0.7, 0.8])
     ap.add_argument("--out", default=None)
+    ap.add_argument("--dtype", default="bfloat16", help="--check's dtype")
+    ap.add_argument("--check", action="store_true",
+                    help="instead: greedy outputs with --speculative ngram against without, end to end (engine)")
     args = ap.parse_args()
+    if args.check:
+        return check(args)
 
     engine = LLMEngine(EngineConfig(model=args.model, tokenizer=args.tokenizer, device="cuda", dtype="bfloat16",
                                     speculative=f"draft:{args.draft}", num_speculative_tokens=args.max_k,
@@ -100,6 +105,42 @@ def main() -> None:
     if args.out:
         Path(args.out).write_text(json.dumps({"args": vars(args), "device": torch.cuda.get_device_name(),
                                               "results": results}, indent=1))
+
+
+def check(args) -> None:
+    """End to end on the GPU (lookahead and graphs as served): 16 prompts, half of them repeating
+    a pattern (drafts accepted), 128 greedy tokens each, batch 1 and 16: the same tokens with
+    n-gram speculation as without, and decode tok/s of each."""
+    common = dict(model=args.model, tokenizer=args.tokenizer, device="cuda", dtype=args.dtype, max_num_seqs=16,
+                  num_kv_blocks=4096)  # two engines, one GPU: a fixed pool each
+    plain = LLMEngine(EngineConfig(**common))
+    spec = LLMEngine(EngineConfig(**common, speculative="ngram", num_speculative_tokens=4), model=plain.model,
+                     tokenizer=plain.tokenizer)
+    prompts = [[(i * 31 + j) % 5000 + 100 for j in range(200)] for i in range(8)]
+    prompts += [[(j % 12) * 7 + 100 + i for j in range(200)] for i in range(8)]  # a period-12 pattern
+    params = SamplingParams(max_tokens=128, temperature=0, ignore_eos=True, detokenize=False)
+    report = {}
+    for b in (1, 16):
+        outs = {}
+        for name, engine in (("plain", plain), ("ngram", spec)):
+            engine.block_manager.reset_prefix_cache()
+            engine.generate(prompts[:1], SamplingParams(max_tokens=8, temperature=0, detokenize=False))  # warm
+            torch.cuda.synchronize()
+            t = time.perf_counter()
+            outs[name] = [o for s in range(0, len(prompts), b) for o in engine.generate(prompts[s : s + b], params)]
+            torch.cuda.synchronize()
+            report[f"batch {b} {name} tok/s"] = 128 * len(prompts) / (time.perf_counter() - t)
+        same = sum(a == c for a, c in zip(outs["plain"], outs["ngram"]))
+        report[f"batch {b} same outputs"] = f"{same}/{len(prompts)}"
+        # where they part (random weights: near-ties, which other kernels' rounding can flip)
+        report[f"batch {b} first difference"] = [next((i for i, (x, y) in enumerate(zip(a, c)) if x != y), None)
+                                                 for a, c in zip(outs["plain"], outs["ngram"])]
+    st = spec.spec_stats
+    report["acceptance"] = st.acceptance_rate
+    report["mean accepted length"] = st.mean_accepted_length
+    print(json.dumps(report, indent=1))
+    if args.out:
+        Path(args.out).write_text(json.dumps({"device": torch.cuda.get_device_name(), **report}, indent=1))
 
 
 def _draft_decode(runner, seqs: list[Sequence], reps: int) -> list[float]:

@@ -8,13 +8,15 @@ and a block's bytes (what the pool is sized by) are the two models' together.
 Each step, after scheduling (the drafts' slots are allocated), the draft model runs
 
     forward 0:  the step's own tokens, drafts left out (prefill chunks, decodes, and each
-                speculating sequence's last token): its KV follows the target's; the last
-                token's logits give draft 1
-    forward j:  draft j at position p + j (j = 1 .. k-1) gives draft j + 1; forward k writes
-                draft k's KV (so an all-accepted step leaves no hole)
+                speculating sequence's last token at p): its KV follows the target's; the
+                last token's logits give draft 1
+    forward j:  draft j at position p + j (j = 1 .. k-1) gives draft j + 1
 
-so the draft's KV is valid wherever the target's is (a rejected position is rewritten when it is
-computed again). Greedy requests draft the draft's argmax; sampled ones draw from its distribution
+k forwards for k drafts. Draft k's K/V is not written: when all k are accepted, that position
+(``Sequence.draft_hole``) is the first row of the next step's forward 0. So the draft's KV is
+valid wherever the target's is (a rejected position is rewritten when it is computed again);
+where it is not (a block cached by a request that ended on such a hole), drafts are worse,
+never the output. Greedy requests draft the draft's argmax; sampled ones draw from its distribution
 q (same temperature and cuts) and keep q for the rejection rule (speculative.py).
 """
 
@@ -73,7 +75,8 @@ def load_draft(config: EngineConfig, spec: SpeculativeConfig, tokenizer, target:
         raise ValueError(f"speculative draft model {spec.draft_model!r} has another vocabulary than the target "
                          f"({cfg.vocab_size} vs {target.vocab_size} ids, or other tokens): a draft must share the "
                          f"target's tokenizer")
-    draft_config = dataclasses.replace(config, model=spec.draft_model, speculative=None)
+    # (speculative stays set: the draft's runner captures graphs for multi-token rows too)
+    draft_config = dataclasses.replace(config, model=spec.draft_model)
     model = build_model(draft_config, source, cfg).eval()
     bpb = kv_bytes_per_block(cfg, config.block_size, kv_storage_dtype(config), model.kv_heads)
     return LoadedDraft(draft_config, cfg, model, bpb)
@@ -93,7 +96,18 @@ class DraftModelDrafter:
     def fill(self, batch: list[ScheduledSeq]) -> list[torch.Tensor | None]:
         """Run the draft model over the step (module docstring); write each speculating item's
         drafts in place; per item, q [k, V] for sampled speculating requests, else None."""
-        inputs = self.runner.prepare([ScheduledSeq(it.seq, it.num_new_tokens - len(it.draft)) for it in batch])
+        holes = set()  # sequences whose last known token's draft KV is missing (all drafts accepted)
+        for it in batch:
+            hole, it.seq.draft_hole = it.seq.draft_hole, None
+            if hole is not None and hole == it.seq.num_computed_tokens - 1:
+                holes.add(id(it.seq))
+                it.seq.num_computed_tokens -= 1  # for prepare only: the chunk starts at the hole
+        try:
+            inputs = self.runner.prepare([ScheduledSeq(it.seq, it.num_new_tokens - len(it.draft)
+                                                       + (id(it.seq) in holes)) for it in batch])
+        finally:
+            for it in batch:
+                it.seq.num_computed_tokens += id(it.seq) in holes
         active = [i for i, it in enumerate(batch) if it.draft]  # batch indices still drafting
         inputs.sample_rows = [inputs.query_start[i + 1] - 1 for i in active]
         inputs.prompt = None  # the target scores prompts; the draft only follows
@@ -105,12 +119,13 @@ class DraftModelDrafter:
         while active:
             for i, token in zip(active, self._draw(logits, batch, active, j, q)):
                 batch[i].draft[j] = token
-            logits, _ = self.runner.execute(_decode_inputs([batch[i] for i in active], j, self.runner.block_size))
-            going_on = [r for r, i in enumerate(active) if j + 1 < len(batch[i].draft)]
-            if len(going_on) < len(active):
-                logits = logits[going_on]
-            active = [active[r] for r in going_on]
+            active = [i for i in active if j + 1 < len(batch[i].draft)]  # those that want draft j + 1
+            if active:  # draft j's forward; the last draft's K/V waits for the next step (a hole)
+                logits, _ = self.runner.execute(_decode_inputs([batch[i] for i in active], j, self.runner.block_size))
             j += 1
+        for it in batch:
+            if it.draft:
+                it.seq.draft_hole = it.seq.num_computed_tokens + len(it.draft)
         return [torch.stack(q[i]) if q.get(i) else None for i in range(len(batch))]
 
     @staticmethod

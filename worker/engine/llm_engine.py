@@ -63,6 +63,8 @@ from worker.models.loader import iter_dummy_weights, iter_weights, load_config
 
 log = logging.getLogger(__name__)
 
+MAX_SPEC_BACKOFF = 16  # steps a sequence sits out of drafting after repeated full rejections
+
 
 class LLMEngine:
     def __init__(self, config: EngineConfig, tokenizer=None, model: LlamaForCausalLM | None = None):
@@ -269,6 +271,9 @@ class LLMEngine:
         for seq in self.scheduler.running:
             if not self._may_speculate(seq):
                 continue
+            if seq.spec_skip:  # backing off after a fully rejected draft
+                seq.spec_skip -= 1
+                continue
             room = self.max_model_len - len(seq.token_ids) - 1
             if seq.params.max_tokens is not None:
                 room = min(room, seq.params.max_tokens - seq.num_output_tokens - 1)
@@ -290,6 +295,10 @@ class LLMEngine:
         seq = item.seq
         accepted = len(emitted) - 1
         self.spec_stats.record(len(item.draft), accepted)
+        # A draft rejected outright cost its rows for nothing: sit out 1, 2, 4 .. steps before the
+        # next (drafts that do not match this answer's text stop costing), back at once on a hit.
+        seq.spec_backoff = min(2 * seq.spec_backoff or 1, MAX_SPEC_BACKOFF) if accepted == 0 else 0
+        seq.spec_skip = seq.spec_backoff
         seq.num_computed_tokens += item.num_new_tokens - len(item.draft) + accepted
         for token, logprob in emitted:
             reason = self._take(seq, token, logprob)

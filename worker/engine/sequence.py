@@ -48,6 +48,12 @@ class Sequence:
     # feeds it each sampled token; a preemption keeps the tokens, so it keeps the matcher). None
     # once the request is done.
     matcher: Any = None
+    # Speculative decoding with a draft model: the position whose draft-model K/V is still to
+    # write (the last draft's, when all were accepted: draft_model.py); None: none missing.
+    draft_hole: int | None = None
+    # Drafting backs off after rejections: steps to sit out, and the current back-off
+    spec_skip: int = 0
+    spec_backoff: int = 0
     # Detokenization and streaming state (see detokenizer.py)
     output_text: str = ""
     emitted_text_len: int = 0
