@@ -83,6 +83,9 @@ _ENGINE_FLAGS = (
                 "speculative: false", unset="off"),
     _EngineFlag("--num-speculative-tokens", "num_speculative_tokens", int,
                 "tokens --speculative drafts per step, 1 to 16"),
+    _EngineFlag("--speculative-max-batch", "speculative_max_batch", int,
+                "draft only while at most this many requests run (CPU: verification rows cost compute past ~4 "
+                "rows; GPU: nearly free to ~100)", unset="always"),
     _EngineFlag("--tp", "tensor_parallel_size", int,
                 "tensor parallel size: ranks (GPUs of this node with --device cuda, else CPU processes) the "
                 "model is split over; --kv-cache-memory is then per rank"),

@@ -283,3 +283,15 @@ def test_a_verification_as_decode_rows_gives_the_chunks_logits(backend):
     as_rows = as_rows.clone()
     chunked, _ = runner.execute(inputs)
     torch.testing.assert_close(as_rows, chunked, rtol=1e-4, atol=1e-4)
+
+
+def test_no_drafts_while_more_requests_run_than_speculative_max_batch(make_engine):
+    engine = make_engine(speculative="ngram", speculative_max_batch=1)
+    prompt = engine.tokenize(prompt=REPEATING[1])
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    engine.generate([prompt, prompt], params)
+    assert engine.spec_stats.verifications == 0
+    engine.generate([prompt], params)
+    assert engine.spec_stats.verifications > 0
+    with pytest.raises(ValueError, match="speculative_max_batch must be >= 1"):
+        EngineConfig(speculative="ngram", speculative_max_batch=0)

@@ -85,6 +85,9 @@ class EngineConfig:
     # num_speculative_tokens tokens per decode step and one target forward verifies them.
     speculative: str | None = None
     num_speculative_tokens: int = 4
+    # Draft only while at most this many requests run (None: always). Verification costs rows:
+    # nearly free on a GPU up to ~100 rows, but a CPU's GEMMs turn compute-bound at ~4 rows.
+    speculative_max_batch: int | None = None
 
     @property
     def speculative_config(self) -> SpeculativeConfig | None:
@@ -114,6 +117,8 @@ class EngineConfig:
                              f"{self.generation_config!r}")
         if self.speculative is not None:
             SpeculativeConfig.parse(self.speculative, self.num_speculative_tokens)
+        if self.speculative_max_batch is not None and self.speculative_max_batch < 1:
+            raise ValueError(f"speculative_max_batch must be >= 1, got {self.speculative_max_batch}")
         if self.async_scheduling is None:
             # The lookahead launches a step before the one before is read; a drafter needs every
             # token known, so speculation runs each step plainly.

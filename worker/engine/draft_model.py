@@ -23,6 +23,7 @@ q (same temperature and cuts) and keep q for the rejection rule (speculative.py)
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -58,10 +59,11 @@ class LoadedDraft:
         return ModelRunner(self.config, self.model_config, self.model, backend, num_blocks, max_model_len)
 
 
-def load_draft(config: EngineConfig, spec: SpeculativeConfig, tokenizer, target: ModelConfig) -> LoadedDraft:
+def load_draft(config: EngineConfig, spec: SpeculativeConfig, tokenizer, target: ModelConfig,
+               build_model: Callable) -> LoadedDraft:
     """The draft model of ``--speculative draft:MODEL``, on the target's device and dtype; refused
-    unless its vocabulary is the target's (its tokens are verified as the target's)."""
-    from worker.engine.llm_engine import build_model  # (llm_engine imports this module)
+    unless its vocabulary is the target's (its tokens are verified as the target's).
+    ``build_model``: llm_engine's (config, source, model config) -> model."""
 
     if config.tensor_parallel_size > 1:
         raise ValueError("speculative draft models run without tensor parallelism: use --speculative ngram "

@@ -63,7 +63,8 @@ from worker.models.loader import iter_dummy_weights, iter_weights, load_config
 
 log = logging.getLogger(__name__)
 
-MAX_SPEC_BACKOFF = 16  # steps a sequence sits out of drafting after repeated full rejections
+SPEC_MISSES_BEFORE_BACKOFF = 3  # fully rejected drafts in a row before a sequence sits drafting out
+MAX_SPEC_BACKOFF = 16  # steps it sits out at most
 
 
 class LLMEngine:
@@ -81,7 +82,7 @@ class LLMEngine:
         draft = None
         if self.speculative is not None and self.speculative.method == "draft":
             # loaded first: on CUDA the pool is sized by what the weights of both leave
-            draft = load_draft(config, self.speculative, self.tokenizer, self.model_config)
+            draft = load_draft(config, self.speculative, self.tokenizer, self.model_config, build_model)
         self.runner = build_runner(config, source, self.model_config, model,
                                    extra_bytes_per_block=draft.bytes_per_block if draft else 0)
         self.model = self.runner.model
@@ -268,6 +269,9 @@ class LLMEngine:
         """Drafts for the running sequences in plain decode: id(seq) -> up to k tokens, never more
         than the request's max_tokens or the context can still take after the target's own token."""
         drafts: dict[int, list[int]] = {}
+        limit = self.config.speculative_max_batch
+        if limit is not None and len(self.scheduler.running) > limit:
+            return drafts
         for seq in self.scheduler.running:
             if not self._may_speculate(seq):
                 continue
@@ -295,10 +299,12 @@ class LLMEngine:
         seq = item.seq
         accepted = len(emitted) - 1
         self.spec_stats.record(len(item.draft), accepted)
-        # A draft rejected outright cost its rows for nothing: sit out 1, 2, 4 .. steps before the
-        # next (drafts that do not match this answer's text stop costing), back at once on a hit.
-        seq.spec_backoff = min(2 * seq.spec_backoff or 1, MAX_SPEC_BACKOFF) if accepted == 0 else 0
-        seq.spec_skip = seq.spec_backoff
+        # Drafts rejected outright, again and again, cost their rows for nothing: from the third
+        # such step in a row, sit out 1, 2, 4 .. steps (drafts that do not match this answer stop
+        # costing); a hit ends it. (Sporadic misses are cheap: a verify step costs ~1.1 decodes.)
+        seq.spec_misses = seq.spec_misses + 1 if accepted == 0 else 0
+        if seq.spec_misses >= SPEC_MISSES_BEFORE_BACKOFF:
+            seq.spec_skip = min(2 ** (seq.spec_misses - SPEC_MISSES_BEFORE_BACKOFF), MAX_SPEC_BACKOFF)
         seq.num_computed_tokens += item.num_new_tokens - len(item.draft) + accepted
         for token, logprob in emitted:
             reason = self._take(seq, token, logprob)

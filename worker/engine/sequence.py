@@ -51,9 +51,9 @@ class Sequence:
     # Speculative decoding with a draft model: the position whose draft-model K/V is still to
     # write (the last draft's, when all were accepted: draft_model.py); None: none missing.
     draft_hole: int | None = None
-    # Drafting backs off after rejections: steps to sit out, and the current back-off
+    # Drafting backs off after rejections: steps to sit out, and fully rejected drafts in a row
     spec_skip: int = 0
-    spec_backoff: int = 0
+    spec_misses: int = 0
     # Detokenization and streaming state (see detokenizer.py)
     output_text: str = ""
     emitted_text_len: int = 0
