@@ -56,21 +56,25 @@ def test_greedy_with_ngram_drafts_is_the_transformers_output(make_engine, prompt
     engine.check_integrity()
 
 
-def test_greedy_speculation_equals_plain_decoding_under_chunking_prefix_hits_and_preemption(make_engine):
-    """Repeating prompts (drafts accepted and rejected), each twice (prefix hits), a small token
+@pytest.mark.parametrize("speculative, k", [("ngram:1-3", 5), ("draft:dummy:smollm2-mini", 3)])
+def test_greedy_speculation_equals_plain_decoding_under_chunking_prefix_hits_and_preemption(make_engine,
+                                                                                          speculative, k):
+    """Repeating prompts (n-gram drafts accepted and rejected; a draft model of random weights
+    with SmolLM2's vocabulary: nearly all rejected), each twice (prefix hits), a small token
     budget (chunked prefill beside verifications) and a pool too small for all at once (preemption)."""
     plain = make_engine()
     prompts = [plain.tokenize(prompt=p) for p in REPEATING[1:]] * 2 + [plain.tokenize(prompt="hi")]
     params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
     expected = plain.generate(prompts, params)
-    engine = make_engine(speculative="ngram:1-3", num_speculative_tokens=5, max_num_batched_tokens=24,
+    engine = make_engine(speculative=speculative, num_speculative_tokens=k, max_num_batched_tokens=24,
                          num_kv_blocks=9)
     assert engine.generate(prompts, params) == expected
     stats = engine.spec_stats
     assert engine.scheduler.num_preemptions > 0
     assert engine.block_manager.prefix_hits > 0
-    assert 0 < stats.accepted < stats.drafted, stats
-    assert 1 < stats.mean_accepted_length <= 6
+    assert stats.verifications > 0 and stats.accepted < stats.drafted, stats
+    if speculative.startswith("ngram"):
+        assert 0 < stats.accepted and 1 < stats.mean_accepted_length <= k + 1
     engine.check_integrity()
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
 
@@ -228,21 +232,6 @@ def test_a_draft_models_kv_is_counted_in_the_pool(make_engine):
     drafts = kv_bytes_per_block(load_config(resolve_model("dummy:smollm2-mini")), 16, torch.float32,
                                 draft.model.kv_heads)
     assert engine.block_manager.num_blocks == size // (target + drafts) == draft.num_blocks
-
-
-def test_a_random_draft_model_changes_nothing_under_preemption_and_chunking(make_engine):
-    """A draft of random weights (SmolLM2's vocabulary): nearly every draft rejected; the output
-    is still the plain engine's, with chunked prefill, prefix hits and preemption."""
-    plain = make_engine()
-    prompts = [plain.tokenize(prompt=p) for p in REPEATING[1:]] * 2 + [plain.tokenize(prompt="hi")]
-    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
-    expected = plain.generate(prompts, params)
-    engine = make_engine(speculative="draft:dummy:smollm2-mini", num_speculative_tokens=3, max_num_batched_tokens=24,
-                         num_kv_blocks=9)
-    assert engine.generate(prompts, params) == expected
-    assert engine.scheduler.num_preemptions > 0 and engine.spec_stats.verifications > 0
-    engine.check_integrity()
-    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
 
 
 def test_a_draft_model_of_another_vocabulary_is_refused_by_name(make_engine):
