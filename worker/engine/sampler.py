@@ -90,15 +90,20 @@ def sample(
     want = [i for i, p in enumerate(params) if p.logprobs is not None]
     entries: list[TokenLogprob | None] = [None] * len(params)
     if want:
-        logprobs = logits[want].float().log_softmax(dim=-1)
-        top_n = max(params[i].logprobs for i in want)
-        top_vals, top_ids = logprobs.topk(top_n, dim=-1) if top_n else (None, None)
-        chosen = logprobs.gather(1, tokens[want].unsqueeze(1)).squeeze(1).tolist()
-        for j, i in enumerate(want):
-            n = params[i].logprobs
-            top = list(zip(top_ids[j, :n].tolist(), top_vals[j, :n].tolist())) if n else []
-            entries[i] = TokenLogprob(token_list[i], chosen[j], top)
+        for i, entry in zip(want, logprob_entries(logits[want], tokens[want], [params[i].logprobs for i in want])):
+            entries[i] = entry
     return token_list, entries
+
+
+def logprob_entries(logits: torch.Tensor, tokens: torch.Tensor, tops: list[int]) -> list[TokenLogprob]:
+    """Per row of ``logits`` [N, V]: its token's logprob under the model's own distribution and
+    the row's ``tops[i]`` most likely alternatives."""
+    logprobs = logits.float().log_softmax(dim=-1)
+    top_n = max(tops)
+    top_vals, top_ids = logprobs.topk(top_n, dim=-1) if top_n else (None, None)
+    chosen = logprobs.gather(1, tokens.unsqueeze(1)).squeeze(1).tolist()
+    return [TokenLogprob(t, chosen[j], list(zip(top_ids[j, :n].tolist(), top_vals[j, :n].tolist())) if n else [])
+            for j, (t, n) in enumerate(zip(tokens.tolist(), tops))]
 
 
 def _apply_top_k(logits: torch.Tensor, top_ks: list[int]) -> torch.Tensor:

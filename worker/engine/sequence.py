@@ -76,11 +76,16 @@ class Sequence:
         this request, ``seed_offset``, plus its own, pending ones included; ``counted``: 1 when the
         token being drawn is already counted as pending). Re-seeding a generator is a host-side
         write (about a microsecond); a launched draw has taken its state already."""
+        index = self.params.seed_offset + self.num_output_tokens + self.num_pending_tokens - counted
+        return self.generator_at(device, index)
+
+    def generator_at(self, device: torch.device, index: int) -> torch.Generator | None:
+        """A seeded request's RNG seeded for the token at ``index`` within its answer (speculative
+        verification decides several at once); None (the device's) without a seed."""
         if self.params.seed is None:
             return None
         if self.generator is None:
             self.generator = torch.Generator(device=device)
-        index = self.params.seed_offset + self.num_output_tokens + self.num_pending_tokens - counted
         return self.generator.manual_seed(draw_seed(self.params.seed, index))
 
     @property

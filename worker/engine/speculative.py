@@ -38,7 +38,7 @@ import torch
 
 from worker.engine.config import SpeculativeConfig
 from worker.engine.outputs import TokenLogprob
-from worker.engine.sampler import draw_seed, probabilities, steer
+from worker.engine.sampler import logprob_entries, probabilities, steer
 from worker.engine.sampling_params import SamplingParams
 from worker.engine.sequence import Sequence
 
@@ -148,7 +148,7 @@ def _accept_sampled(logits: torch.Tensor, draft: list[int], seq: Sequence, q: to
     index = seq.params.seed_offset + seq.num_output_tokens  # the answer index of the first token decided
     tokens: list[int] = []
     for j, d in enumerate(draft):
-        gen = _generator(seq, logits.device, index + j)
+        gen = seq.generator_at(logits.device, index + j)
         u = torch.rand(1, generator=gen, device=logits.device).item()
         if u * (1.0 if q is None else q[j, d].item()) < probs[j, d].item():  # u < min(1, p(d) / q(d))
             tokens.append(d)
@@ -163,18 +163,9 @@ def _accept_sampled(logits: torch.Tensor, draft: list[int], seq: Sequence, q: to
             continue
         tokens.append(int(torch.multinomial(residual, 1, generator=gen)[0]))
         return tokens
-    gen = _generator(seq, logits.device, index + len(draft))
+    gen = seq.generator_at(logits.device, index + len(draft))
     tokens.append(int(torch.multinomial(probs[len(draft)], 1, generator=gen)[0]))
     return tokens
-
-
-def _generator(seq: Sequence, device: torch.device, index: int) -> torch.Generator | None:
-    """A seeded request's RNG for the token at ``index`` of its answer; None (the device's) otherwise."""
-    if seq.params.seed is None:
-        return None
-    if seq.generator is None:
-        seq.generator = torch.Generator(device=device)
-    return seq.generator.manual_seed(draw_seed(seq.params.seed, index))
 
 
 def _with_logprobs(logits: torch.Tensor, tokens: list[int], params: SamplingParams
@@ -182,8 +173,5 @@ def _with_logprobs(logits: torch.Tensor, tokens: list[int], params: SamplingPara
     """Each emitted token with the target's own logprob entry when the request wants them."""
     if params.logprobs is None:
         return [(t, None) for t in tokens]
-    lp = logits[: len(tokens)].float().log_softmax(dim=-1)
-    chosen = lp.gather(1, torch.tensor(tokens, device=lp.device).unsqueeze(1)).squeeze(1).tolist()
-    top_vals, top_ids = lp.topk(params.logprobs, dim=-1) if params.logprobs else (None, None)
-    return [(t, TokenLogprob(t, chosen[i], list(zip(top_ids[i].tolist(), top_vals[i].tolist()))
-                             if params.logprobs else [])) for i, t in enumerate(tokens)]
+    ids = torch.tensor(tokens, device=logits.device)
+    return list(zip(tokens, logprob_entries(logits[: len(tokens)], ids, [params.logprobs] * len(tokens))))
