@@ -11,6 +11,9 @@ from protos.block_hash import DEFAULT_BLOCK_SIZE
 # --kv-cache-dtype's names, torch-free (the router process checks configs without torch);
 # kernels.kv_quant.KV_CACHE_DTYPES maps the quantized ones to storage dtypes
 KV_CACHE_DTYPE_NAMES = ("auto", "int8", "fp8")
+# --quantization's names (weight-only; worker/models/quantization.py): none (dense floats), auto
+# (a quantized checkpoint as it ships: GGUF Q4_0/Q4_1/Q4_K as int4, Q8_0/Q6_K as int8), int8, int4
+QUANTIZATION_NAMES = ("none", "auto", "int8", "int4")
 
 
 @dataclass(frozen=True)
@@ -50,6 +53,11 @@ class EngineConfig:
     # The KV pool's storage: auto (the model's dtype), int8 or fp8 (e4m3), the last two with a scale
     # per token and KV head (kernels/kv_quant.py): about half a bf16 pool's bytes per token.
     kv_cache_dtype: str = "auto"
+    # Weights stored and multiplied packed (W8A16 / W4A16): none, auto, int8 or int4 (QUANTIZATION_NAMES).
+    # int8/int4 quantize a float checkpoint at load (symmetric, a scale per group of input columns)
+    # and repack a quantized one; the LM head is int8 in both.
+    quantization: str = "none"
+    quantization_group_size: int = 128  # columns per scale (halved until it divides a layer's inputs)
     attention_backend: str = "auto"  # auto: triton on CUDA, torch elsewhere
     cuda_graphs: bool = True  # decode steps replay captured graphs (CUDA only)
     # Graphs for batches 1, 2, 4, every 8 to 64, then every cuda_graph_step up to max_num_seqs.
@@ -111,6 +119,12 @@ class EngineConfig:
         if self.kv_cache_dtype not in KV_CACHE_DTYPE_NAMES:
             *first, last = KV_CACHE_DTYPE_NAMES
             raise ValueError(f"kv_cache_dtype must be {', '.join(first)} or {last}, got {self.kv_cache_dtype!r}")
+        if self.quantization not in QUANTIZATION_NAMES:
+            *first, last = QUANTIZATION_NAMES
+            raise ValueError(f"quantization must be {', '.join(first)} or {last}, got {self.quantization!r}")
+        if self.quantization_group_size not in (16, 32, 64, 128, 256):
+            raise ValueError(f"quantization_group_size must be 16, 32, 64, 128 or 256, got "
+                             f"{self.quantization_group_size}")
         if (self.generation_config not in ("auto", "vllm")
                 and not Path(self.generation_config, "generation_config.json").is_file()):
             raise ValueError(f"generation_config must be auto, vllm or a folder with a generation_config.json, got "

@@ -60,6 +60,7 @@ from worker.models.config import ModelConfig
 from contracts.models import resolve_model
 from contracts.tokenizers import load_tokenizer
 from worker.models.loader import iter_dummy_weights, iter_weights, load_config
+from worker.models.quantization import quant_plan, weight_bytes
 
 log = logging.getLogger(__name__)
 
@@ -438,15 +439,21 @@ def build_model(config: EngineConfig, source, model_cfg: ModelConfig) -> LlamaFo
     # the rotary tables ask for float32 explicitly and stay so.
     default_dtype = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
+    plan = quant_plan(config.quantization, config.quantization_group_size, source, model_cfg.num_layers,
+                      model_cfg.tie_word_embeddings)
     try:
         with torch.device(config.device):
-            model = LlamaForCausalLM(model_cfg)
+            model = LlamaForCausalLM(model_cfg, plan)
     finally:
         torch.set_default_dtype(default_dtype)
     if source.kind == "dummy":
         model.load_weights(iter_dummy_weights(model_cfg, config.seed, config.device, dtype))
     else:
-        model.load_weights(iter_weights(source))
+        # Packed checkpoint tensors go to packed projections as they are (float ones dequantize them).
+        model.load_weights(iter_weights(source, packed=plan is not None))
+    if plan is not None:
+        log.info("weights quantized (%s): %.2f GiB on the device", config.quantization,
+                 weight_bytes(model) / 2**30)
     return model
 
 

@@ -16,22 +16,25 @@ import torch.nn as nn
 from worker.models.attention import get_forward_context
 from worker.models.config import ModelConfig
 from worker.models.layers import RMSNorm, RotaryEmbedding, SiluAndMul
+from worker.models.quantization import LM_HEAD, QuantizedLinearWeight, QuantPlan, finalize_quantized
 from worker.models.parallel_layers import (MergedColumnParallelLinear, ParallelLMHead, QKVParallelLinear,
                                            RowParallelLinear, VocabParallelEmbedding, default_weight_loader)
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_idx: int):
+    def __init__(self, cfg: ModelConfig, layer_idx: int, quant: QuantPlan):
         super().__init__()
         self.layer_idx = layer_idx
         self.head_dim = cfg.head_dim
-        self.qkv_proj = QKVParallelLinear(cfg.hidden_size, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads, cfg.qkv_bias)
+        prefix = f"model.layers.{layer_idx}.self_attn"
+        self.qkv_proj = QKVParallelLinear(cfg.hidden_size, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads, cfg.qkv_bias,
+                                          quant.spec(f"{prefix}.qkv_proj"))
         shard = self.qkv_proj.shard  # this rank's heads: all of them at tensor parallel size 1
         self.num_heads, self.num_kv_heads = shard.q_count, shard.kv_count
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         self.o_proj = RowParallelLinear(cfg.num_heads * cfg.head_dim, cfg.hidden_size,
-                                        shard.q_start * cfg.head_dim, self.q_size)
+                                        shard.q_start * cfg.head_dim, self.q_size, quant.spec(f"{prefix}.o_proj"))
         self.rotary = RotaryEmbedding(self.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
         self.scale = self.head_dim**-0.5
 
@@ -48,11 +51,14 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, layer_idx: int, quant: QuantPlan):
         super().__init__()
-        self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, [cfg.intermediate_size] * 2)
+        prefix = f"model.layers.{layer_idx}.mlp"
+        self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, [cfg.intermediate_size] * 2,
+                                                       quant.spec(f"{prefix}.gate_up_proj"))
         start, count = self.gate_up_proj.parts[0]
-        self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, start, count)
+        self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, start, count,
+                                           quant.spec(f"{prefix}.down_proj"))
         self.act = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -60,10 +66,10 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_idx: int):
+    def __init__(self, cfg: ModelConfig, layer_idx: int, quant: QuantPlan):
         super().__init__()
-        self.self_attn = LlamaAttention(cfg, layer_idx)
-        self.mlp = LlamaMLP(cfg)
+        self.self_attn = LlamaAttention(cfg, layer_idx, quant)
+        self.mlp = LlamaMLP(cfg, layer_idx, quant)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -79,10 +85,12 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, quant: QuantPlan):
         super().__init__()
-        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList([LlamaDecoderLayer(cfg, i) for i in range(cfg.num_layers)])
+        # A tied embedding shares the LM head's weight, packed if the head is.
+        tied_quant = quant.spec(LM_HEAD) if cfg.tie_word_embeddings else None
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tied_quant)
+        self.layers = nn.ModuleList([LlamaDecoderLayer(cfg, i, quant) for i in range(cfg.num_layers)])
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -105,11 +113,13 @@ _STACKED = {
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, quant: QuantPlan | None = None):
+        """``quant``: which projections are packed (worker/models/quantization.py); None: all float."""
         super().__init__()
+        quant = quant or QuantPlan()
         self.config = cfg
-        self.model = LlamaModel(cfg)
-        self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size)
+        self.model = LlamaModel(cfg, quant)
+        self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, quant.spec(LM_HEAD))
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
@@ -129,8 +139,9 @@ class LlamaForCausalLM(nn.Module):
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load HF-named full tensors, one at a time, each parameter keeping its rank's part;
-        fails loudly on a missing or unexpected one."""
-        params = dict(self.named_parameters())
+        fails loudly on a missing or unexpected one. A tensor may come packed (a quantized
+        checkpoint's kernels.wquant.QuantizedWeight); a packed projection takes float ones too."""
+        params = self._weight_slots()
         loaded: set[str] = set()
         for name, tensor in weights:
             if "rotary_emb" in name:
@@ -154,12 +165,19 @@ class LlamaForCausalLM(nn.Module):
         missing = self.expected_weights() - loaded
         if missing:
             raise KeyError(f"weights missing from the checkpoint: {sorted(missing)[:8]}")
+        finalize_quantized(self)
+
+    def _weight_slots(self) -> dict[str, nn.Parameter | QuantizedLinearWeight]:
+        """Every weight by name: Parameters, and packed projections' weights."""
+        slots: dict = dict(self.named_parameters())
+        slots.update((n, m) for n, m in self.named_modules() if isinstance(m, QuantizedLinearWeight))
+        return slots
 
     def expected_weights(self) -> set[str]:
         """Our parameter names, a fused one once per HF piece (``qkv_proj.weight#1`` is k_proj)."""
         pieces = {"qkv_proj": 3, "gate_up_proj": 2}
         expected = set()
-        for pname, _ in self.named_parameters():
+        for pname in self._weight_slots():
             fused = pname.split(".")[-2] if pname.count(".") >= 2 else ""
             if fused in pieces:
                 expected.update(f"{pname}#{i}" for i in range(pieces[fused]))

@@ -24,8 +24,10 @@ def load_config(src: ModelSource) -> ModelConfig:
     return _gguf_config(src.path)
 
 
-def iter_weights(src: ModelSource) -> Iterator[tuple[str, "torch.Tensor"]]:
-    """HF-named float32 tensors, one at a time (never the whole checkpoint in a second copy)."""
+def iter_weights(src: ModelSource, packed: bool = False) -> Iterator[tuple[str, "torch.Tensor"]]:
+    """HF-named float32 tensors, one at a time (never the whole checkpoint in a second copy).
+    ``packed``: a GGUF's quantized tensors come as kernels.wquant.QuantizedWeight where they
+    repack exactly (worker/models/gguf_quant.py), not dequantized."""
     if src.kind == "safetensors":
         from safetensors import safe_open
 
@@ -34,7 +36,7 @@ def iter_weights(src: ModelSource) -> Iterator[tuple[str, "torch.Tensor"]]:
                 for name in f.keys():
                     yield name, f.get_tensor(name)
     elif src.kind == "gguf":
-        yield from _gguf_weights(src.path)
+        yield from _gguf_weights(src.path, packed)
     else:
         raise ValueError("dummy models have no weights to read")
 
@@ -148,11 +150,26 @@ def _gguf_config(path: Path, reader=None) -> ModelConfig:
     )
 
 
-def _gguf_weights(path: Path) -> Iterator[tuple[str, "torch.Tensor"]]:
+def gguf_formats(path: Path) -> dict[str, tuple[int, int] | None]:
+    """HF weight name -> (bits, group) its GGUF type repacks into exactly, or None (float, or a
+    type that is not repacked): what ``--quantization auto`` serves (quantization.checkpoint_plan)."""
+    import gguf
+
+    from worker.models.gguf_quant import REPACKED
+
+    reader = gguf.GGUFReader(str(path))
+    names = ((_gguf_to_hf_name(t.name), t.tensor_type.name) for t in reader.tensors)
+    return {name: REPACKED.get(kind) for name, kind in names if name is not None}
+
+
+def _gguf_weights(path: Path, packed: bool = False) -> Iterator[tuple[str, "torch.Tensor"]]:
     import gguf
     import numpy as np
     import torch
     from gguf.quants import dequantize
+
+    from kernels.wquant import QuantizedWeight
+    from worker.models.gguf_quant import REPACKED, repack
 
     reader = gguf.GGUFReader(str(path))
     cfg = _gguf_config(path, reader)
@@ -161,14 +178,22 @@ def _gguf_weights(path: Path) -> Iterator[tuple[str, "torch.Tensor"]]:
         if name is None:
             continue
         # GGUF stores dims fastest-first; numpy wants them slowest-first.
-        arr = dequantize(t.data, t.tensor_type).reshape([int(d) for d in reversed(t.shape)])
-        arr = np.array(arr, dtype=np.float32)  # a writable copy torch can own
+        shape = [int(d) for d in reversed(t.shape)]
+        if packed and t.tensor_type.name in REPACKED and len(shape) == 2:
+            w = repack(t.data, t.tensor_type.name, *shape)
+        else:
+            w = torch.from_numpy(np.array(dequantize(t.data, t.tensor_type).reshape(shape), dtype=np.float32))
         if cfg.architecture == "llama" and (".q_proj." in name or ".k_proj." in name):
             # llama.cpp's converter interleaves the rotary halves of Q and K for Llama; undo it so the
-            # rotate-half rotary embedding applies (Qwen2 GGUFs are stored unpermuted).
+            # rotate-half rotary embedding applies (Qwen2 GGUFs are stored unpermuted). A row
+            # permutation: a packed weight's rows (and their scales) move the same way.
             n_head = cfg.num_heads if ".q_proj." in name else cfg.num_kv_heads
-            arr = _unpermute_rotary(arr, n_head)
-        yield name, torch.from_numpy(arr)
+            if isinstance(w, QuantizedWeight):
+                w = QuantizedWeight(*(None if x is None else _unpermute_rotary(x, n_head).contiguous()
+                                      for x in (w.qweight, w.scales, w.biases)), w.bits, w.group_size)
+            else:
+                w = _unpermute_rotary(w, n_head).contiguous()
+        yield name, w
 
 
 def _gguf_to_hf_name(name: str) -> str | None:
@@ -183,5 +208,6 @@ def _gguf_to_hf_name(name: str) -> str | None:
 
 
 def _unpermute_rotary(w, n_head: int):
+    """Rows of ``w`` (numpy or torch) from llama.cpp's interleaved rotary order to rotate-half's."""
     half = w.shape[0] // n_head // 2
     return w.reshape(n_head, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)

@@ -22,6 +22,7 @@ import torch.nn.functional as F
 
 from worker.distributed.group import get_tp
 from worker.distributed.partition import head_shard, split_evenly, vocab_shard
+from worker.models.quantization import QuantizedLinearWeight, QuantSpec, make_weight
 
 
 # Rows up to which a CUDA projection takes the skinny matmul (kernels.skinny.MAX_ROWS at most).
@@ -31,7 +32,10 @@ from worker.distributed.partition import head_shard, split_evenly, vocab_shard
 SKINNY_MAX_ROWS = 1
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def linear(x: torch.Tensor, weight: torch.Tensor | QuantizedLinearWeight, bias: torch.Tensor | None = None
+           ) -> torch.Tensor:
+    if isinstance(weight, QuantizedLinearWeight):
+        return weight.matmul(x, bias)
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
     if x.is_cuda and 0 < rows <= SKINNY_MAX_ROWS and x.dtype == weight.dtype:
         from kernels import HAS_TRITON, skinny_matmul
@@ -43,8 +47,11 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 
 def _copy_checked(dst: torch.Tensor, src: torch.Tensor, what: str) -> None:
-    if dst.shape != src.shape:
+    """dst, src: float tensors or packed weights (kernels.wquant.QuantizedWeight) in any pairing."""
+    if tuple(dst.shape) != tuple(src.shape):
         raise ValueError(f"{what}: shape {tuple(src.shape)} != {tuple(dst.shape)}")
+    if isinstance(dst, torch.Tensor) and not isinstance(src, torch.Tensor):
+        src = src.dequantize(dst.dtype)  # a packed checkpoint tensor into a float parameter
     dst.copy_(src)
 
 
@@ -61,13 +68,14 @@ def _full_rows(full: torch.Tensor, expected: int, what: str) -> None:
 class QKVParallelLinear(nn.Module):
     """q|k|v in one matmul over this rank's query and KV heads (head_shard)."""
 
-    def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool):
+    def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool,
+                 quant: QuantSpec | None = None):
         super().__init__()
         tp = get_tp()
         self.shard = head_shard(num_heads, num_kv_heads, tp.size, tp.rank)
         self.head_dim, self.num_heads, self.num_kv_heads = head_dim, num_heads, num_kv_heads
         rows = (self.shard.q_count + 2 * self.shard.kv_count) * head_dim
-        self.weight = nn.Parameter(torch.empty(rows, hidden_size), requires_grad=False)
+        self.weight = make_weight(rows, hidden_size, quant)
         self.bias = nn.Parameter(torch.empty(rows), requires_grad=False) if bias else None
         for p in (self.weight, self.bias):
             if p is not None:
@@ -89,12 +97,12 @@ class QKVParallelLinear(nn.Module):
 class MergedColumnParallelLinear(nn.Module):
     """Several column-parallel outputs (gate|up) in one matmul, each split evenly over ranks."""
 
-    def __init__(self, in_features: int, out_sizes: list[int]):
+    def __init__(self, in_features: int, out_sizes: list[int], quant: QuantSpec | None = None):
         super().__init__()
         tp = get_tp()
         self.out_sizes = out_sizes
         self.parts = [split_evenly(n, tp.size, tp.rank) for n in out_sizes]
-        self.weight = nn.Parameter(torch.empty(sum(c for _, c in self.parts), in_features), requires_grad=False)
+        self.weight = make_weight(sum(c for _, c in self.parts), in_features, quant)
         self.weight.weight_loader = self._load
 
     def _load(self, param: torch.Tensor, full: torch.Tensor, shard_id: int) -> None:
@@ -110,10 +118,11 @@ class MergedColumnParallelLinear(nn.Module):
 class RowParallelLinear(nn.Module):
     """Input columns [in_start, in_start + in_count) on this rank; partial sums all-reduced."""
 
-    def __init__(self, in_features: int, out_features: int, in_start: int, in_count: int):
+    def __init__(self, in_features: int, out_features: int, in_start: int, in_count: int,
+                 quant: QuantSpec | None = None):
         super().__init__()
         self.in_features, self.in_start, self.in_count = in_features, in_start, in_count
-        self.weight = nn.Parameter(torch.empty(out_features, in_count), requires_grad=False)
+        self.weight = make_weight(out_features, in_count, quant)
         self.weight.weight_loader = self._load
 
     def _load(self, param: torch.Tensor, full: torch.Tensor, shard_id: int | None = None) -> None:
@@ -126,24 +135,32 @@ class RowParallelLinear(nn.Module):
 
 
 class VocabParallelEmbedding(nn.Module):
-    def __init__(self, vocab_size: int, hidden_size: int):
+    """``quant`` (int8): the rows packed, as a quantized LM head tied to this embedding has them."""
+
+    def __init__(self, vocab_size: int, hidden_size: int, quant: QuantSpec | None = None):
         super().__init__()
         tp = get_tp()
         self.vocab_size = vocab_size
         self.start, self.count, padded = vocab_shard(vocab_size, tp.size, tp.rank)
-        self.weight = nn.Parameter(torch.zeros(padded, hidden_size), requires_grad=False)
+        self.weight = (nn.Parameter(torch.zeros(padded, hidden_size), requires_grad=False) if quant is None
+                       else make_weight(padded, hidden_size, quant))
         self.weight.weight_loader = self._load
 
     def _load(self, param: torch.Tensor, full: torch.Tensor, shard_id: int | None = None) -> None:
         _full_rows(full, self.vocab_size, "vocabulary")
-        _copy_checked(param.data[: self.count], full.narrow(0, self.start, self.count), "vocabulary")
+        _copy_checked(param.data.narrow(0, 0, self.count), full.narrow(0, self.start, self.count), "vocabulary")
+
+    def _lookup(self, ids: torch.Tensor) -> torch.Tensor:
+        if isinstance(self.weight, QuantizedLinearWeight):
+            return self.weight.rows(ids)
+        return F.embedding(ids, self.weight)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         tp = get_tp()
         if tp.size == 1:
-            return F.embedding(ids, self.weight)
+            return self._lookup(ids)
         mine = (ids >= self.start) & (ids < self.start + self.count)
-        out = F.embedding(torch.where(mine, ids - self.start, 0), self.weight)
+        out = self._lookup(torch.where(mine, ids - self.start, 0))
         return tp.all_reduce(out * mine.unsqueeze(-1).to(out.dtype))
 
 

@@ -1,0 +1,213 @@
+"""Weight-only quantization in the model (``--quantization``): which projections are packed and
+how (the plan), the weight such a projection holds in place of a float Parameter, and its matmul.
+
+    plan (QuantSpec per projection)  ->  QuantizedLinearWeight buffers (kernels/wquant.py's layout)
+      -> load: each full checkpoint tensor, float or packed, narrowed to this rank's shard and copied
+      -> finalize: the device's form (CPU: torch's packed int4/int8 kernels' layout)
+      -> matmul: CUDA: the Triton W4A16/W8A16 kernel; CPU: torch's kernels; else dequantize + F.linear
+
+The LM head is int8 whenever anything is quantized (llama.cpp's Q4_K_M keeps it at 6 bits: its
+error lands on every logit). A tied embedding then looks its rows up in those packed rows.
+
+On CPU the packed matmuls are PyTorch's own (``aten._weight_int4pack_mm_for_cpu``, which
+torchao's int4 CPU layout also calls, and ``aten._weight_int8pack_mm``): they run bf16
+activations (float32 ones take a scalar path ~15x slower, measured), so a quantized projection
+rounds its input to bf16 and returns the model's dtype. ``_weight_int8pack_mm`` takes one scale
+per output channel, so int8 on CPU is per channel; the int4 kernel takes groups of 32 to 256.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from kernels.wquant import QuantizedWeight, empty_quantized
+
+LM_HEAD = "lm_head"
+CPU_INT4_GROUPS = (32, 64, 128, 256)
+
+
+@dataclass(frozen=True)
+class QuantSpec:
+    bits: int
+    group_size: int  # preferred; ``layer_format`` fits it to a layer's input columns and device
+
+
+@dataclass(frozen=True)
+class QuantPlan:
+    """A spec per projection (``model.layers.3.mlp.down_proj``, ``lm_head``); absent: dense."""
+
+    default: QuantSpec | None = None
+    per_layer: dict[str, QuantSpec] = field(default_factory=dict)
+
+    def spec(self, name: str) -> QuantSpec | None:
+        return self.per_layer.get(name, self.default)
+
+    @property
+    def bits(self) -> set[int]:
+        return {s.bits for s in (self.default, *self.per_layer.values()) if s is not None}
+
+
+def uniform_plan(bits: int, group_size: int) -> QuantPlan:
+    """Every projection in ``bits``; the LM head int8."""
+    return QuantPlan(QuantSpec(bits, group_size), {LM_HEAD: QuantSpec(8, group_size)})
+
+
+def layer_format(spec: QuantSpec, in_features: int, device: torch.device | str) -> tuple[int, int]:
+    """(bits, group size) of one projection on ``device``: the preferred group halved until it
+    divides the inputs; int8 on CPU per output channel (torch's kernel's form)."""
+    cpu = torch.device(device).type == "cpu"
+    if cpu and spec.bits == 8:
+        return 8, in_features
+    group = spec.group_size
+    while in_features % group and group > 16:
+        group //= 2
+    if in_features % group or (cpu and group not in CPU_INT4_GROUPS):
+        raise ValueError(f"no int{spec.bits} group size fits a projection of {in_features} input columns "
+                         f"(preferred {spec.group_size}); serve it with --quantization none")
+    return spec.bits, group
+
+
+class QuantizedLinearWeight(nn.Module):
+    """What a quantized projection holds where a dense one has ``weight``: the packed buffers of
+    kernels/wquant.py. ``.data`` is a QuantizedWeight over them (narrowed and ``copy_``'d by the
+    layers' shard loaders as a dense weight is), ``finalize`` readies them for the device."""
+
+    def __init__(self, out_features: int, in_features: int, spec: QuantSpec, device: torch.device | str | None = None,
+                 dtype: torch.dtype | None = None):
+        super().__init__()
+        device = torch.empty(0, device=device).device  # the construction context's device (torch.device(...) block)
+        self.bits, self.group_size = layer_format(spec, in_features, device)
+        w = empty_quantized(out_features, in_features, self.bits, self.group_size, dtype or torch.get_default_dtype(),
+                            device)
+        self.register_buffer("qweight", w.qweight)
+        self.register_buffer("scales", w.scales)
+        self.register_buffer("biases", w.biases)
+        self.shape = (out_features, in_features)
+        self._cpu: tuple[torch.Tensor, torch.Tensor] | None = None  # torch's CPU kernel's (weight, scales)
+
+    @property
+    def data(self) -> QuantizedWeight:
+        return QuantizedWeight(self.qweight, self.scales, self.biases, self.bits, self.group_size)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.scales.dtype
+
+    def nbytes(self) -> int:
+        if self._cpu is not None:
+            return sum(t.numel() * t.element_size() for t in self._cpu)
+        return self.data.nbytes()
+
+    def finalize(self) -> None:
+        """After loading: on CPU, build torch's packed form (the int4 one replaces the generic
+        nibbles; int8's weight is the generic one, kept for embedding lookups)."""
+        if self.qweight.device.type != "cpu":
+            return
+        if self.bits == 8:
+            self._cpu = (self.qweight, self.scales.squeeze(1).to(torch.bfloat16).contiguous())
+            return
+        from kernels.wquant import unpack_int4
+
+        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(unpack_int4(self.qweight).to(torch.int32), 2)
+        # torch's form: w = (q - 8) * scale + zero, per group, [K // group, N, 2]
+        zeros = self.biases + 8 * self.scales
+        sz = torch.stack((self.scales, zeros), dim=-1).transpose(0, 1).to(torch.bfloat16).contiguous()
+        self._cpu = (packed, sz)
+        self.qweight = torch.empty(0, dtype=torch.uint8)  # the nibbles live on in `packed` only
+        self.scales = self.biases = torch.empty(0, dtype=self.scales.dtype)
+
+    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        lead, k = x.shape[:-1], x.shape[-1]
+        x2 = x.reshape(-1, k)
+        if self._cpu is not None:
+            xb = x2.to(torch.bfloat16)
+            if self.bits == 4:
+                out = torch.ops.aten._weight_int4pack_mm_for_cpu(xb, self._cpu[0], self.group_size, self._cpu[1])
+            else:
+                out = torch.ops.aten._weight_int8pack_mm(xb, *self._cpu)
+            out = out.to(x.dtype)
+            if bias is not None:
+                out = out + bias
+        elif x.is_cuda:
+            from kernels import HAS_TRITON
+            from kernels.wq_matmul import wq_matmul
+
+            out = (wq_matmul(x2.contiguous(), self.data, bias) if HAS_TRITON
+                   else F.linear(x2, self.data.dequantize(x.dtype), bias))
+        else:
+            out = F.linear(x2, self.data.dequantize(x.dtype), bias)
+        return out.view(*lead, self.shape[0])
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Embedding rows from an int8 weight (a tied LM head's)."""
+        assert self.bits == 8, "embedding lookups read int8 rows"
+        return self.data.rows(ids, self.dtype)
+
+
+def make_weight(out_features: int, in_features: int, spec: QuantSpec | None) -> nn.Parameter | QuantizedLinearWeight:
+    """A projection's weight: a float Parameter (filled by loading), or packed buffers."""
+    if spec is None:
+        return nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
+    return QuantizedLinearWeight(out_features, in_features, spec)
+
+
+def finalize_quantized(model: nn.Module) -> None:
+    for module in model.modules():
+        if isinstance(module, QuantizedLinearWeight):
+            module.finalize()
+
+
+def weight_bytes(model: nn.Module) -> int:
+    """Bytes of the model's weights as they sit on the device, packed ones as packed."""
+    seen: set[int] = set()
+    total = 0
+    for module in model.modules():
+        if isinstance(module, QuantizedLinearWeight) and id(module) not in seen:
+            seen.add(id(module))
+            total += module.nbytes()
+    for p in model.parameters():
+        if id(p) not in seen:
+            seen.add(id(p))
+            total += p.numel() * p.element_size()
+    return total
+
+
+_FUSED = {"self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+          "self_attn.o_proj": ("self_attn.o_proj",),
+          "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
+          "mlp.down_proj": ("mlp.down_proj",)}
+
+
+def checkpoint_plan(formats: dict[str, tuple[int, int] | None], num_layers: int, tied: bool) -> QuantPlan | None:
+    """``--quantization auto``: each projection as its checkpoint stores it, given each HF weight
+    name's exact repacking (bits, group) or None. A fused projection takes its widest part (Q4_K_M
+    stores v_proj at 6 bits beside 4-bit q and k: qkv becomes int8) and its smallest group; one
+    float part keeps it float. None: nothing in the checkpoint is quantized."""
+    per_layer: dict[str, QuantSpec | None] = {}
+    for i in range(num_layers):
+        for fused, parts in _FUSED.items():
+            found = [formats.get(f"model.layers.{i}.{p}.weight") for p in parts]
+            per_layer[f"model.layers.{i}.{fused}"] = (
+                None if None in found else QuantSpec(max(b for b, _ in found), min(g for _, g in found)))
+    head = formats.get("model.embed_tokens.weight" if tied else "lm_head.weight")
+    per_layer[LM_HEAD] = None if head is None else QuantSpec(8, head[1])
+    if all(s is None for s in per_layer.values()):
+        return None
+    return QuantPlan(None, per_layer)
+
+
+def quant_plan(mode: str, group_size: int, source, num_layers: int, tied: bool) -> QuantPlan | None:
+    """The plan ``--quantization mode`` makes for a model ``source`` (contracts.models.ModelSource)."""
+    if mode == "none":
+        return None
+    if mode in ("int8", "int4"):
+        return uniform_plan(int(mode[3:]), group_size)
+    if source.kind != "gguf":
+        return None  # a float checkpoint (or dummy weights): auto serves it as it is
+    from worker.models.loader import gguf_formats
+
+    return checkpoint_plan(gguf_formats(source.path), num_layers, tied)
