@@ -9,8 +9,9 @@ Two regimes, as the bf16 path has (kernels/skinny.py, cuBLAS):
 - decode, 1 to 16 rows (BLOCK_M 16): bound by reading the packed weight; narrow BLOCK_N so even
   a 4096-output projection has a few hundred programs, the tile tuned per (N, K, format) at first
   use (the engine's warm-up and CUDA-graph capture, before serving);
-- prefill, more rows: BLOCK_M 64-128 tiles, the dequantization amortised over the rows (one
-  config chosen per row count from a sweep, never tuned while serving).
+- a few more rows (17 to DEQUANT_MIN_ROWS - 1): BLOCK_M 64-128 tiles, the dequantization
+  amortised over the rows (a config per row count from a sweep, never tuned while serving);
+- prefill, more rows: the weight dequantized in one pass to a transient bf16 copy, then cuBLAS.
 """
 
 from __future__ import annotations
@@ -21,6 +22,10 @@ from kernels._triton import check_launchable, interpreting, jit, pdl_launch, tl,
 from kernels.wquant import QuantizedWeight
 
 DECODE_MAX_ROWS = 16
+# From this many rows a projection dequantizes its weight to a transient dense copy and runs
+# cuBLAS (benchmarks/quant_gpu.py: on an H200, 64 rows in the kernel cost about the dequantize
+# pass plus cuBLAS; at 512 rows the kernel took 2-3x as long).
+DEQUANT_MIN_ROWS = 128
 INTERPRETER_CONFIG = dict(BLOCK_N=16, BLOCK_K=32)
 
 
@@ -73,15 +78,62 @@ def _wq_matmul_kernel(
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
 
 
+@jit
+def _dequantize_kernel(q_ptr, s_ptr, b_ptr, out_ptr, N, K, stride_qn, stride_sn, stride_on,
+                       BITS: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                       USE_PDL: tl.constexpr):
+    """One [BLOCK_N, BLOCK_K] tile of W = q * s (+ b), written in out's dtype."""
+    wait_for_producer(USE_PDL)
+    PACK: tl.constexpr = 2 if BITS == 4 else 1
+    NG: tl.constexpr = BLOCK_K // GROUP
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    k0 = tl.program_id(1) * BLOCK_K
+    offs_kq = k0 // PACK + tl.arange(0, BLOCK_K // PACK)
+    n_mask = offs_n < N
+    q = tl.load(q_ptr + offs_n[:, None].to(tl.int64) * stride_qn + offs_kq[None, :],
+                mask=n_mask[:, None] & (offs_kq < K // PACK)[None, :], other=0)
+    if BITS == 4:
+        q = tl.interleave(q & 0x0F, q >> 4)
+    offs_g = k0 // GROUP + tl.arange(0, NG)
+    sg = offs_n[:, None].to(tl.int64) * stride_sn + offs_g[None, :]
+    sg_mask = n_mask[:, None] & (offs_g < K // GROUP)[None, :]
+    w = tl.reshape(q.to(tl.float32), [BLOCK_N, NG, GROUP]) * tl.load(s_ptr + sg, mask=sg_mask, other=0.0).to(
+        tl.float32)[:, :, None]
+    if BITS == 4:
+        w += tl.load(b_ptr + sg, mask=sg_mask, other=0.0).to(tl.float32)[:, :, None]
+    offs_k = k0 + tl.arange(0, BLOCK_K)
+    tl.store(out_ptr + offs_n[:, None].to(tl.int64) * stride_on + offs_k[None, :],
+             tl.reshape(w, [BLOCK_N, BLOCK_K]).to(out_ptr.dtype.element_ty),
+             mask=n_mask[:, None] & (offs_k < K)[None, :])
+
+
+def dequantize(weight: QuantizedWeight, dtype: torch.dtype) -> torch.Tensor:
+    """``weight.dequantize(dtype)`` in one pass on the device: [N, K] in ``dtype``."""
+    check_launchable(weight.qweight)
+    n, k = weight.shape
+    g = weight.group_size
+    if g & (g - 1):  # a group of a whole row that is no power of two (per channel)
+        return weight.dequantize(dtype)
+    out = torch.empty(n, k, dtype=dtype, device=weight.device)
+    block_n, block_k = 32, max(g, 128)  # whole groups in a tile
+    _dequantize_kernel[(triton.cdiv(n, block_n), triton.cdiv(k, block_k))](
+        weight.qweight, weight.scales, weight.scales if weight.biases is None else weight.biases, out, n, k,
+        weight.qweight.stride(0), weight.scales.stride(0), out.stride(0), BITS=weight.bits, GROUP=g,
+        BLOCK_N=block_n, BLOCK_K=block_k, **pdl_launch(weight.device))
+    return out
+
+
 def _fits(group: int, k: int, block_k: int) -> bool:
     """A tile lies in one group, or holds whole groups."""
     return group % block_k == 0 or (block_k % group == 0 and block_k <= k)
 
 
 def _decode_configs() -> list:
-    shapes = [(16, 128, 4), (16, 256, 4), (16, 512, 3), (32, 128, 4), (32, 256, 4), (32, 512, 3), (64, 128, 4),
-              (64, 256, 3)]
-    return [triton.Config({"BLOCK_N": n, "BLOCK_K": k}, num_warps=4, num_stages=s) for n, k, s in shapes]
+    # (BLOCK_N, BLOCK_K, warps, stages); deeper pipelines and 1024-wide K tiles were tried on an
+    # H200 and measured no better (docs/BENCHMARKS.md)
+    shapes = [(16, 128, 4, 4), (16, 256, 4, 4), (16, 512, 4, 3), (32, 128, 4, 4), (32, 256, 4, 4), (32, 512, 4, 3),
+              (64, 128, 4, 4), (64, 256, 4, 3)]
+    return [triton.Config({"BLOCK_N": n, "BLOCK_K": k}, num_warps=w, num_stages=s) for n, k, w, s in shapes]
 
 
 def _prune(configs, named_args, **kwargs):
@@ -95,7 +147,7 @@ _tuned = (triton.autotune(configs=_decode_configs(), key=["N", "K", "BITS", "GRO
 
 # Prefill tiles by rows: (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages); from the H200 sweep
 # (benchmarks/quant_gpu.py --sweep-prefill, docs/BENCHMARKS.md).
-PREFILL_CONFIGS = {64: (64, 128, 64, 4, 4), 1 << 30: (128, 128, 64, 8, 3)}
+PREFILL_CONFIGS = {64: (64, 128, 128, 4, 3), 1 << 30: (128, 128, 128, 8, 3)}
 
 
 def prefill_config(rows: int) -> tuple[int, int, int, int, int]:
@@ -128,6 +180,10 @@ def wq_matmul(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | Non
             *args, **opts, BLOCK_M=block_m, **cfg)
     elif m <= DECODE_MAX_ROWS and config is None:
         _tuned[lambda meta: (triton.cdiv(n, meta["BLOCK_N"]), 1)](*args, **opts, BLOCK_M=16)
+    elif m >= DEQUANT_MIN_ROWS and config is None:
+        # many rows: the matmul is compute-bound and cuBLAS's bf16 tiles beat dequantizing in the
+        # main loop (2.5-3x at 512-2048 rows on an H200); the dense copy lives for this call only
+        return torch.nn.functional.linear(x, dequantize(weight, x.dtype), bias)
     else:
         bm, bn, bk, warps, stages = config or prefill_config(m)
         while not _fits(g, k, bk) and bk > 16:

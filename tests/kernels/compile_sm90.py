@@ -19,7 +19,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from kernels import activation, kv_store, matmul, paged_attention, rmsnorm, rotary, skinny
+from kernels import activation, kv_store, matmul, paged_attention, rmsnorm, rotary, skinny, wq_matmul
 from kernels.kv_quant import QMAX
 
 TARGET = GPUTarget("cuda", 90, 32)
@@ -121,6 +121,25 @@ def quantized_cases() -> list[tuple]:
     return cases
 
 
+def weight_quant_cases() -> list[tuple]:
+    """The W8A16 / W4A16 matmul (decode tiles and the prefill tile) and the dequantize pass, group 128."""
+    cases = []
+    for bits, q in ((8, "*i8"), (4, "*u8")):
+        args = dict(x_ptr=P, q_ptr=q, s_ptr=P, b_ptr=P, bias_ptr=P, out_ptr=P, M="i32", N="i32", K="i32",
+                    stride_xm="i32", stride_qn="i32", stride_sn="i32", stride_om="i32", BITS=C(bits), GROUP=C(128),
+                    HAS_BIAS=C(False), DOT_PRECISION=C("tf32"))
+        cases += [(f"w{bits}a16 {c.kwargs['BLOCK_N']}x{c.kwargs['BLOCK_K']}", wq_matmul._wq_matmul_kernel,
+                   {**args, "BLOCK_M": C(16), "BLOCK_N": C(c.kwargs["BLOCK_N"]), "BLOCK_K": C(c.kwargs["BLOCK_K"])},
+                   c.num_warps, c.num_stages, True) for c in wq_matmul._decode_configs()]
+        bm, bn, bk, warps, stages = wq_matmul.prefill_config(64)
+        cases.append((f"w{bits}a16 rows 17-127", wq_matmul._wq_matmul_kernel,
+                      {**args, "BLOCK_M": C(bm), "BLOCK_N": C(bn), "BLOCK_K": C(bk)}, warps, stages, True))
+        cases.append((f"dequantize int{bits}", wq_matmul._dequantize_kernel, dict(
+            q_ptr=q, s_ptr=P, b_ptr=P, out_ptr=P, N="i32", K="i32", stride_qn="i32", stride_sn="i32",
+            stride_on="i32", BITS=C(bits), GROUP=C(128), BLOCK_N=C(32), BLOCK_K=C(128)), 4, 3, False))
+    return cases
+
+
 def main() -> int:
     assert not os.environ.get("TRITON_INTERPRET"), "unset TRITON_INTERPRET: the kernels must be compiled"
     cases = [
@@ -157,6 +176,7 @@ def main() -> int:
         ("silu_and_mul", activation._silu_and_mul_kernel, dict(
             x_ptr=P, out_ptr=P, stride_x="i32", stride_o="i32", n_inter="i32", BLOCK=C(1024)), 4, 3, False),
         *quantized_cases(),
+        *weight_quant_cases(),
     ]
     failed = 0
     for label, fn, args, num_warps, num_stages, must_pipeline in cases:

@@ -253,3 +253,15 @@ def test_an_int8_kv_pool_under_tp_matches_tp1(tp_worker):
     worker = tp_worker("--model", "dummy:tiny", "--tp", "2", "--kv-cache-dtype", "int8",
                        "--max-num-batched-tokens", "32")
     assert _greedy(worker.address, prompts, max_tokens=24) == expected
+
+
+@pytest.mark.slow
+def test_int4_weights_under_tp_match_tp1(tp_worker):
+    """Each rank quantizes only its shard: with groups that the row-parallel shards split on
+    (32 columns), a TP=2 worker over int4 weights gives the tokens of one int4 process."""
+    prompts = [[(3 * i + 7 * j) % 500 + 1 for j in range(6 + 7 * i)] for i in range(6)]
+    tp1 = LLMEngine(EngineConfig(model="dummy:tiny", quantization="int4", quantization_group_size=32))
+    expected = tp1.generate(prompts, SamplingParams(max_tokens=24, temperature=0, ignore_eos=True))
+    worker = tp_worker("--model", "dummy:tiny", "--tp", "2", "--quantization", "int4",
+                       "--quantization-group-size", "32", "--max-num-batched-tokens", "32")
+    assert _greedy(worker.address, prompts, max_tokens=24) == expected

@@ -1,0 +1,96 @@
+"""The packed weight layout (kernels/wquant.py) and the W8A16 / W4A16 kernels against their references."""
+
+import pytest
+import torch
+
+from kernels.wquant import QuantizedWeight, empty_quantized, pack_int4, quantize, unpack_int4
+
+triton = pytest.importorskip("triton", reason="Triton is not installed (the dev extra): the kernels cannot run")
+
+from kernels.wq_matmul import dequantize, wq_matmul  # noqa: E402
+
+
+def test_int4_packing_round_trips_and_puts_even_columns_in_the_low_nibble():
+    q = torch.randint(0, 16, (5, 12), dtype=torch.uint8)
+    packed = pack_int4(q)
+    assert packed.shape == (5, 6)
+    assert torch.equal(packed[:, 0] & 0x0F, q[:, 0]) and torch.equal(packed[:, 0] >> 4, q[:, 1])
+    assert torch.equal(unpack_int4(packed), q)
+
+
+def test_int8_error_is_within_half_a_step_of_each_group():
+    w = torch.randn(16, 256)
+    w[3, 5] = 40.0  # an outlier: only its own group's step grows
+    qw = quantize(w, 8, 64)
+    err = (qw.dequantize() - w).abs().view(16, 4, 64).amax(-1)
+    step = w.view(16, 4, 64).abs().amax(-1) / 127
+    assert (err <= step / 2 + 1e-6).all()
+    assert err[0].max() < err[3, 0]
+
+
+def test_int4_clipping_search_is_no_worse_than_min_max_per_group():
+    w = torch.randn(16, 256)
+    w[3, 5] = 40.0
+    qw = quantize(w, 4, 64)
+    g = w.view(16, 4, 64)
+    lo, hi = g.amin(-1, keepdim=True), g.amax(-1, keepdim=True)
+    s = (hi - lo) / 15
+    min_max = torch.round((g - lo) / s).clamp(0, 15) * s + lo
+    ours = qw.dequantize().view(16, 4, 64)
+    assert ((ours - g).square().sum(-1) <= (min_max - g).square().sum(-1) + 1e-6).all()
+    assert (qw.biases <= qw.scales * 0 + g.amax(-1)).all()  # b is the (shrunk) group minimum
+
+
+def test_a_zero_group_stays_zero():
+    w = torch.randn(4, 64)
+    w[1, :32] = 0
+    for bits in (4, 8):
+        assert torch.equal(quantize(w, bits, 32).dequantize()[1, :32], torch.zeros(32))
+
+
+def test_narrow_and_copy_like_a_tensor():
+    w = torch.randn(8, 128)
+    qw = quantize(w, 4, 32)
+    rows = qw.narrow(0, 2, 3)
+    assert rows.shape == (3, 128) and torch.equal(rows.dequantize(), qw.dequantize()[2:5])
+    cols = qw.narrow(1, 64, 32)  # on the group grid: still packed
+    assert isinstance(cols, QuantizedWeight) and torch.equal(cols.dequantize(), qw.dequantize()[:, 64:96])
+    off = qw.narrow(1, 16, 32)  # off the grid: dequantized
+    assert isinstance(off, torch.Tensor) and torch.equal(off, qw.dequantize()[:, 16:48])
+    dst = empty_quantized(8, 128, 4, 32, torch.float32)
+    dst.narrow(0, 0, 4).copy_(qw.narrow(0, 0, 4))  # same format: copied exactly, through the view
+    dst.narrow(0, 4, 4).copy_(w[4:])  # a float tensor: quantized
+    assert torch.equal(dst.dequantize(), qw.dequantize())
+    other = empty_quantized(8, 128, 8, 128, torch.float32)
+    other.copy_(qw)  # another format: dequantized and quantized again
+    assert (other.dequantize() - qw.dequantize()).abs().max() < qw.dequantize().abs().max() / 127
+    with pytest.raises(ValueError, match="shape"):
+        dst.copy_(w[:4])
+
+
+def test_group_size_must_divide_the_columns():
+    with pytest.raises(ValueError, match="group size 48"):
+        quantize(torch.randn(2, 64), 4, 48)
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("group,k", [(16, 64), (32, 96), (128, 256), (96, 96)])  # 96 of 96: per channel
+@pytest.mark.parametrize("rows", [1, 5, 20, 130])  # decode tiles, the 17-127 tiles, the dequantize + matmul path
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.float16, 2e-3)])
+def test_wq_matmul_matches_dequantize_then_linear(bits, group, k, rows, dtype, tol):
+    n = 37  # off the tiles: edge masks
+    qw = quantize(torch.randn(n, k), bits, group)
+    qw.scales = qw.scales.to(dtype)
+    qw.biases = None if qw.biases is None else qw.biases.to(dtype)
+    x = torch.randn(rows, k).to(dtype)
+    bias = torch.randn(n).to(dtype)
+    want = torch.nn.functional.linear(x.float(), qw.dequantize(dtype).float(), bias.float())
+    got = wq_matmul(x, qw, bias)
+    assert got.shape == (rows, n) and got.dtype == dtype
+    torch.testing.assert_close(got.float(), want, atol=tol * k**0.5 * 4, rtol=tol)
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_dequantize_kernel_equals_the_reference(bits):
+    qw = quantize(torch.randn(70, 512), bits, 128)
+    assert torch.equal(dequantize(qw, torch.float32), qw.dequantize())
