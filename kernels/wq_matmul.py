@@ -5,13 +5,14 @@ packed weight (BLOCK_K bytes for int8, BLOCK_K / 2 for int4), unpacks and scales
 registers (q * s + b, a group's s and b shared by GROUP columns), and feeds the float tile to a
 tensor-core dot with x's tile. The weight is read once and never written out dense.
 
-Two regimes, as the bf16 path has (kernels/skinny.py, cuBLAS):
-- decode, 1 to 16 rows (BLOCK_M 16): bound by reading the packed weight; narrow BLOCK_N so even
-  a 4096-output projection has a few hundred programs, the tile tuned per (N, K, format) at first
-  use (the engine's warm-up and CUDA-graph capture, before serving);
-- a few more rows (17 to DEQUANT_MIN_ROWS - 1): BLOCK_M 64-128 tiles, the dequantization
-  amortised over the rows (a config per row count from a sweep, never tuned while serving);
-- prefill, more rows: the weight dequantized in one pass to a transient bf16 copy, then cuBLAS.
+Two regimes:
+- decode, 1 to 16 rows (BLOCK_M 16): each packed weight read once, the tile tuned per (N, K,
+  format) at first use (the engine's warm-up and CUDA-graph capture, before serving);
+- more rows: the weight dequantized in one pass to a transient copy in x's dtype, then cuBLAS.
+  Dequantizing in this kernel's main loop measured 2.5-3x cuBLAS's time at 512-2048 rows and 2-6x
+  at 64 on an H200 (benchmarks/quant_gpu.py --sweep-prefill, docs/BENCHMARKS.md): the loop is
+  bound by the unpacking instructions, not by bytes. The copy costs a write and a read of the
+  dense weight per call, which caps what int4 saves on large batches.
 """
 
 from __future__ import annotations
@@ -22,10 +23,6 @@ from kernels._triton import check_launchable, interpreting, jit, pdl_launch, tl,
 from kernels.wquant import QuantizedWeight
 
 DECODE_MAX_ROWS = 16
-# From this many rows a projection dequantizes its weight to a transient dense copy and runs
-# cuBLAS (benchmarks/quant_gpu.py: on an H200, 64 rows in the kernel cost about the dequantize
-# pass plus cuBLAS; at 512 rows the kernel took 2-3x as long).
-DEQUANT_MIN_ROWS = 128
 INTERPRETER_CONFIG = dict(BLOCK_N=16, BLOCK_K=32)
 
 
@@ -145,15 +142,6 @@ def _prune(configs, named_args, **kwargs):
 _tuned = (triton.autotune(configs=_decode_configs(), key=["N", "K", "BITS", "GROUP", "HAS_BIAS"],
                           prune_configs_by={"early_config_prune": _prune})(_wq_matmul_kernel) if triton else None)
 
-# Prefill tiles by rows: (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages); from the H200 sweep
-# (benchmarks/quant_gpu.py --sweep-prefill, docs/BENCHMARKS.md).
-PREFILL_CONFIGS = {64: (64, 128, 128, 4, 3), 1 << 30: (128, 128, 128, 8, 3)}
-
-
-def prefill_config(rows: int) -> tuple[int, int, int, int, int]:
-    return next(cfg for limit, cfg in sorted(PREFILL_CONFIGS.items()) if rows <= limit)
-
-
 def wq_matmul(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None = None,
               config: tuple[int, int, int, int, int] | None = None) -> torch.Tensor:
     """``F.linear(x, weight.dequantize(x.dtype), bias)``: x [M, K] -> [M, N]. ``config``
@@ -172,22 +160,19 @@ def wq_matmul(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | Non
             weight.scales.stride(0), out.stride(0))
     opts = dict(BITS=weight.bits, GROUP=g, HAS_BIAS=bias is not None,
                 DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32", **pdl_launch(x.device))
-    if interpreting() and config is None:
-        cfg = dict(INTERPRETER_CONFIG)
-        cfg["BLOCK_K"] = min(cfg["BLOCK_K"], g) if g % cfg["BLOCK_K"] else cfg["BLOCK_K"]
-        block_m = 16
-        _wq_matmul_kernel[(triton.cdiv(n, cfg["BLOCK_N"]), triton.cdiv(m, block_m))](
-            *args, **opts, BLOCK_M=block_m, **cfg)
-    elif m <= DECODE_MAX_ROWS and config is None:
-        _tuned[lambda meta: (triton.cdiv(n, meta["BLOCK_N"]), 1)](*args, **opts, BLOCK_M=16)
-    elif m >= DEQUANT_MIN_ROWS and config is None:
-        # many rows: the matmul is compute-bound and cuBLAS's bf16 tiles beat dequantizing in the
-        # main loop (2.5-3x at 512-2048 rows on an H200); the dense copy lives for this call only
+    if m > DECODE_MAX_ROWS and config is None:
+        # more rows: cuBLAS on a transient dense copy (module docstring)
         return torch.nn.functional.linear(x, dequantize(weight, x.dtype), bias)
-    else:
-        bm, bn, bk, warps, stages = config or prefill_config(m)
+    if config is not None:
+        bm, bn, bk, warps, stages = config
         while not _fits(g, k, bk) and bk > 16:
             bk //= 2
         _wq_matmul_kernel[(triton.cdiv(n, bn), triton.cdiv(m, bm))](
             *args, **opts, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages)
+    elif interpreting():
+        cfg = dict(INTERPRETER_CONFIG)
+        cfg["BLOCK_K"] = min(cfg["BLOCK_K"], g) if g % cfg["BLOCK_K"] else cfg["BLOCK_K"]
+        _wq_matmul_kernel[(triton.cdiv(n, cfg["BLOCK_N"]), 1)](*args, **opts, BLOCK_M=16, **cfg)
+    else:
+        _tuned[lambda meta: (triton.cdiv(n, meta["BLOCK_N"]), 1)](*args, **opts, BLOCK_M=16)
     return out

@@ -131,8 +131,8 @@ def weight_quant_cases() -> list[tuple]:
         cases += [(f"w{bits}a16 {c.kwargs['BLOCK_N']}x{c.kwargs['BLOCK_K']}", wq_matmul._wq_matmul_kernel,
                    {**args, "BLOCK_M": C(16), "BLOCK_N": C(c.kwargs["BLOCK_N"]), "BLOCK_K": C(c.kwargs["BLOCK_K"])},
                    c.num_warps, c.num_stages, True) for c in wq_matmul._decode_configs()]
-        bm, bn, bk, warps, stages = wq_matmul.prefill_config(64)
-        cases.append((f"w{bits}a16 rows 17-127", wq_matmul._wq_matmul_kernel,
+        bm, bn, bk, warps, stages = 64, 128, 128, 4, 3  # a sweep's tile (benchmarks/quant_gpu.py)
+        cases.append((f"w{bits}a16 64-row tile", wq_matmul._wq_matmul_kernel,
                       {**args, "BLOCK_M": C(bm), "BLOCK_N": C(bn), "BLOCK_K": C(bk)}, warps, stages, True))
         cases.append((f"dequantize int{bits}", wq_matmul._dequantize_kernel, dict(
             q_ptr=q, s_ptr=P, b_ptr=P, out_ptr=P, N="i32", K="i32", stride_qn="i32", stride_sn="i32",

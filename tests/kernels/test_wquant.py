@@ -75,7 +75,7 @@ def test_group_size_must_divide_the_columns():
 
 @pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("group,k", [(16, 64), (32, 96), (128, 256), (96, 96)])  # 96 of 96: per channel
-@pytest.mark.parametrize("rows", [1, 5, 20, 130])  # decode tiles, the 17-127 tiles, the dequantize + matmul path
+@pytest.mark.parametrize("rows", [1, 5, 16, 20])  # the kernel's rows, then the dequantize + matmul path
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.float16, 2e-3)])
 def test_wq_matmul_matches_dequantize_then_linear(bits, group, k, rows, dtype, tol):
     n = 37  # off the tiles: edge masks
@@ -91,6 +91,15 @@ def test_wq_matmul_matches_dequantize_then_linear(bits, group, k, rows, dtype, t
 
 
 @pytest.mark.parametrize("bits", [4, 8])
+def test_wq_matmul_with_a_sweeps_tile_of_many_rows(bits):
+    qw = quantize(torch.randn(70, 256), bits, 64)
+    x = torch.randn(40, 256)
+    got = wq_matmul(x, qw, config=(32, 32, 128, 4, 2))  # 2 row tiles; BLOCK_K 128 spans 2 groups
+    torch.testing.assert_close(got, x @ qw.dequantize().T, atol=1e-4, rtol=1e-5)
+
+
+@pytest.mark.parametrize("bits", [4, 8])
 def test_dequantize_kernel_equals_the_reference(bits):
     qw = quantize(torch.randn(70, 512), bits, 128)
     assert torch.equal(dequantize(qw, torch.float32), qw.dequantize())
+
