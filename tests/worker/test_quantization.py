@@ -156,3 +156,106 @@ def test_many_requests_at_once_give_each_ones_solo_tokens_and_free_every_block(q
     assert engine.generate(prompt_ids, params) == solo
     engine.check_integrity()
     assert engine.block_manager.num_used_blocks == 0
+
+
+# --- GPTQ / AWQ safetensors -------------------------------------------------------------------
+
+def _int_zero_quantize(w: torch.Tensor, group: int):
+    """4-bit with integer zero points, as GPTQ / AWQ store them: w ~ s (q - z). -> q [N, K], z, s [N, K/group]."""
+    n, k = w.shape
+    g = w.view(n, k // group, group)
+    lo, hi = g.amin(-1).clamp(max=0), g.amax(-1).clamp(min=0)
+    s = ((hi - lo) / 15).clamp_min(1e-8).half().float()
+    z = torch.round(-lo / s).clamp(0, 15)
+    q = (torch.round(g / s.unsqueeze(-1)) + z.unsqueeze(-1)).clamp(0, 15)
+    return q.view(n, k).int(), z.int(), s
+
+
+def _pack_words(values: torch.Tensor, dim: int, order=range(8)) -> torch.Tensor:
+    """8 values 0..15 along ``dim`` into an int32 word, the j-th nibble holding value order[j]."""
+    v = values.movedim(dim, -1)
+    v = v.reshape(*v.shape[:-1], -1, 8)[..., list(order)].to(torch.int64)
+    word = sum(v[..., j] << (4 * j) for j in range(8))
+    word = torch.where(word >= 2**31, word - 2**32, word).to(torch.int32)
+    return word.movedim(-1, dim).contiguous()
+
+
+def _to_checkpoint(method: str, w: torch.Tensor, group: int) -> dict[str, torch.Tensor]:
+    from worker.models.gptq import AWQ_ORDER
+
+    q, z, s = _int_zero_quantize(w, group)  # [N, K], [N, G], [N, G]
+    if method == "gptq":
+        return {"qweight": _pack_words(q.t(), 0), "qzeros": _pack_words((z - 1).t(), 1),
+                "scales": s.t().half().contiguous(), "g_idx": torch.arange(w.shape[1], dtype=torch.int32) // group}
+    return {"qweight": _pack_words(q.t(), 1, AWQ_ORDER), "qzeros": _pack_words(z.t(), 1, AWQ_ORDER),
+            "scales": s.t().half().contiguous()}
+
+
+@pytest.fixture(scope="module")
+def quantized_folders(tmp_path_factory, smollm2):
+    """A small Llama saved as transformers does, then each projection rewritten as GPTQ and AWQ store it."""
+    import json
+
+    import transformers as tf
+    from safetensors.torch import load_file, save_file
+
+    torch.manual_seed(0)
+    cfg = tf.LlamaConfig(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
+    hf = tf.LlamaForCausalLM(cfg).eval()
+    for p in hf.parameters():
+        p.data.normal_(0, 0.2) if p.dim() > 1 else None
+    base = tmp_path_factory.mktemp("float")
+    hf.save_pretrained(base, safe_serialization=True)
+    tensors = load_file(str(next(base.glob("*.safetensors"))))
+    folders, want = {}, {}
+    for method in ("gptq", "awq"):
+        folder = tmp_path_factory.mktemp(method)
+        out = {}
+        for name, t in tensors.items():
+            if name.endswith("_proj.weight"):
+                prefix = name.removesuffix(".weight")
+                out.update({f"{prefix}.{k}": v for k, v in _to_checkpoint(method, t.float(), 32).items()})
+                q, z, s = _int_zero_quantize(t.float(), 32)
+                want[(method, name)] = ((q.float().view(q.shape[0], -1, 32) - z.unsqueeze(-1)) * s.unsqueeze(-1)
+                                        ).view(q.shape)
+            else:
+                out[name] = t
+        save_file(out, str(folder / "model.safetensors"))
+        config = json.loads((base / "config.json").read_text())
+        config["quantization_config"] = {"quant_method": method, "bits": 4, "group_size": 32}
+        (folder / "config.json").write_text(json.dumps(config))
+        smollm2.tokenizer.save_pretrained(folder)
+        folders[method] = folder
+    return folders, want
+
+
+@pytest.mark.parametrize("method", ["gptq", "awq"])
+def test_gptq_and_awq_projections_load_packed_and_exact(quantized_folders, method):
+    from kernels.wquant import QuantizedWeight
+    from worker.models.loader import iter_weights
+
+    folders, want = quantized_folders
+    src = resolve_model(str(folders[method]))
+    seen = 0
+    for name, w in iter_weights(src, packed=True):
+        if name.endswith("_proj.weight"):
+            assert isinstance(w, QuantizedWeight) and (w.bits, w.group_size) == (4, 32)
+            assert torch.equal(w.dequantize(), want[(method, name)]), name
+            seen += 1
+    assert seen == 2 * 7
+    for name, w in iter_weights(src, packed=False):  # --quantization none: dequantized
+        assert isinstance(w, torch.Tensor)
+
+
+@pytest.mark.parametrize("method", ["gptq", "awq"])
+def test_a_gptq_or_awq_folder_serves_packed_by_auto_and_dequantized_by_none(quantized_folders, method, smollm2):
+    folder = str(quantized_folders[0][method])
+    packed = LLMEngine(EngineConfig(model=folder, quantization="auto"), tokenizer=smollm2.tokenizer)
+    dense = LLMEngine(EngineConfig(model=folder), tokenizer=smollm2.tokenizer)
+    assert sum(isinstance(m, QuantizedLinearWeight) for m in packed.model.modules()) == 2 * 4 + 1
+    assert not any(isinstance(m, QuantizedLinearWeight) for m in dense.model.modules())
+    prompt = list(range(1000, 1100, 3))
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    # the same weights; the packed path's bf16 activations and int8 head are what may differ
+    assert packed.generate([prompt], params) == dense.generate([prompt], params)

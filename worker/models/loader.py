@@ -29,12 +29,7 @@ def iter_weights(src: ModelSource, packed: bool = False) -> Iterator[tuple[str, 
     ``packed``: a GGUF's quantized tensors come as kernels.wquant.QuantizedWeight where they
     repack exactly (worker/models/gguf_quant.py), not dequantized."""
     if src.kind == "safetensors":
-        from safetensors import safe_open
-
-        for file in sorted(src.path.glob("*.safetensors")):
-            with safe_open(str(file), framework="pt") as f:
-                for name in f.keys():
-                    yield name, f.get_tensor(name)
+        yield from _safetensors_weights(src.path, packed)
     elif src.kind == "gguf":
         yield from _gguf_weights(src.path, packed)
     else:
@@ -81,6 +76,49 @@ def iter_dummy_weights(cfg: ModelConfig, seed: int, device: str = "cpu", dtype=N
         gen.manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
         std = 0.02 if kind == "weight" else 0.0
         yield name, (torch.randn(shape, generator=gen, device=device) * std).to(dtype or torch.float32)
+
+
+def _safetensors_weights(path: Path, packed: bool) -> Iterator[tuple[str, "torch.Tensor"]]:
+    """A folder's tensors by HF name; a GPTQ/AWQ projection's qweight, qzeros, scales (and g_idx)
+    come as one ``P.weight`` (worker/models/gptq.py): packed, or dequantized unless ``packed``."""
+    from safetensors import safe_open
+
+    from kernels.wquant import QuantizedWeight
+    from worker.models.gptq import quantization_method, to_quantized
+
+    quant = quantization_method(json.loads((path / "config.json").read_text()))
+    files = sorted(path.glob("*.safetensors"))
+    where = {}
+    for file in files:
+        with safe_open(str(file), framework="pt") as f:
+            where.update((name, file) for name in f.keys())
+
+    def get(name: str):
+        with safe_open(str(where[name]), framework="pt") as f:
+            return f.get_tensor(name)
+
+    parts = (".qzeros", ".scales", ".g_idx")
+    for name in where:
+        if quant is not None and name.endswith(parts) and name.rsplit(".", 1)[0] + ".qweight" in where:
+            continue  # read with its qweight
+        if quant is not None and name.endswith(".qweight"):
+            prefix = name.removesuffix(".qweight")
+            g_idx = get(prefix + ".g_idx") if prefix + ".g_idx" in where else None
+            w = to_quantized(quant[0], get(name), get(prefix + ".qzeros"), get(prefix + ".scales"), g_idx)
+            if isinstance(w, QuantizedWeight) and not packed:
+                w = w.dequantize()
+            yield prefix + ".weight", w
+        else:
+            yield name, get(name)
+
+
+def checkpoint_quantization(src: ModelSource) -> tuple[str, int] | None:
+    """A safetensors folder's 4-bit GPTQ / AWQ (method, group size), else None."""
+    if src.kind != "safetensors":
+        return None
+    from worker.models.gptq import quantization_method
+
+    return quantization_method(json.loads((src.path / "config.json").read_text()))
 
 
 # --- GGUF -------------------------------------------------------------------------------------

@@ -201,13 +201,15 @@ def checkpoint_plan(formats: dict[str, tuple[int, int] | None], num_layers: int,
 
 
 def quant_plan(mode: str, group_size: int, source, num_layers: int, tied: bool) -> QuantPlan | None:
-    """The plan ``--quantization mode`` makes for a model ``source`` (contracts.models.ModelSource)."""
+    """The plan ``--quantization mode`` makes for a model ``source`` (contracts.models.ModelSource);
+    ``auto`` on a float checkpoint (or dummy weights) is None: served as it is."""
     if mode == "none":
         return None
     if mode in ("int8", "int4"):
         return uniform_plan(int(mode[3:]), group_size)
-    if source.kind != "gguf":
-        return None  # a float checkpoint (or dummy weights): auto serves it as it is
-    from worker.models.loader import gguf_formats
+    from worker.models.loader import checkpoint_quantization, gguf_formats
 
-    return checkpoint_plan(gguf_formats(source.path), num_layers, tied)
+    if source.kind == "gguf":
+        return checkpoint_plan(gguf_formats(source.path), num_layers, tied)
+    packed = checkpoint_quantization(source)  # GPTQ / AWQ: every projection int4 in the checkpoint's groups
+    return None if packed is None else uniform_plan(4, packed[1])
