@@ -55,7 +55,7 @@ def layer_errors(dense: torch.nn.Module, quant: torch.nn.Module) -> dict:
     floats = dict(dense.named_parameters())
     kinds: dict[str, list[float]] = {}
     for name, module in quant.named_modules():
-        if not isinstance(module, QuantizedLinearWeight) or module._cpu is not None and module.bits == 4:
+        if not isinstance(module, QuantizedLinearWeight):
             continue
         w = floats[name]
         err = ((module.data.dequantize() - w.float()).norm() / w.float().norm()).item()

@@ -4,6 +4,7 @@ imported only where weights are read."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 from collections.abc import Iterator
 from pathlib import Path
@@ -83,19 +84,24 @@ def _safetensors_weights(path: Path, packed: bool) -> Iterator[tuple[str, "torch
     come as one ``P.weight`` (worker/models/gptq.py): packed, or dequantized unless ``packed``."""
     from safetensors import safe_open
 
-    from kernels.wquant import QuantizedWeight
-    from worker.models.gptq import quantization_method, to_quantized
+    from worker.models.gptq import quantization_method
 
     quant = quantization_method(json.loads((path / "config.json").read_text()))
-    files = sorted(path.glob("*.safetensors"))
-    where = {}
-    for file in files:
-        with safe_open(str(file), framework="pt") as f:
-            where.update((name, file) for name in f.keys())
+    with contextlib.ExitStack() as stack:  # each file opened once; a projection's parts may span files
+        where = {}
+        for file in sorted(path.glob("*.safetensors")):
+            f = stack.enter_context(safe_open(str(file), framework="pt"))
+            where.update((name, f) for name in f.keys())
+        yield from _combined(where, quant, packed)
+
+
+def _combined(where: dict, quant: tuple[str, int] | None, packed: bool) -> Iterator[tuple[str, "torch.Tensor"]]:
+    """``where``: tensor name -> its open file. A quantized projection's parts combined into one weight."""
+    from kernels.wquant import QuantizedWeight
+    from worker.models.gptq import to_quantized
 
     def get(name: str):
-        with safe_open(str(where[name]), framework="pt") as f:
-            return f.get_tensor(name)
+        return where[name].get_tensor(name)
 
     parts = (".qzeros", ".scales", ".g_idx")
     for name in where:

@@ -46,10 +46,6 @@ class QuantPlan:
     def spec(self, name: str) -> QuantSpec | None:
         return self.per_layer.get(name, self.default)
 
-    @property
-    def bits(self) -> set[int]:
-        return {s.bits for s in (self.default, *self.per_layer.values()) if s is not None}
-
 
 def uniform_plan(bits: int, group_size: int) -> QuantPlan:
     """Every projection in ``bits``; the LM head int8."""
