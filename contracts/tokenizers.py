@@ -14,6 +14,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import threading
 from collections.abc import Callable
 from pathlib import Path
 
@@ -49,10 +50,21 @@ async def tokenize_prompt(tokenize: Callable[..., list[int]], prompt: str | None
     return await asyncio.to_thread(tokenize, prompt=prompt, messages=messages, **kwargs)
 
 
+# One load at a time in a process: transformers resolves its lazy imports on first use, which is
+# not thread-safe (two of serve's replicas starting at once failed "cannot import name
+# 'AutoTokenizer'"). Re-entrant: a dummy model loads SmolLM2's tokenizer through here.
+_LOADING = threading.RLock()
+
+
 def load_tokenizer(src: ModelSource, tokenizer: str | None = None):
     """The HF tokenizer (with chat template) for a source; None for a dummy model without one.
     ``tokenizer`` (``--tokenizer``): a tokenizer folder, a tokenizer.json or a .gguf to take it
     from instead of the model's (so a ``dummy:`` model can serve text where no GGUF is installed)."""
+    with _LOADING:
+        return _load_tokenizer(src, tokenizer)
+
+
+def _load_tokenizer(src: ModelSource, tokenizer: str | None):
     from transformers import AutoTokenizer
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")

@@ -7,6 +7,7 @@ defaults live in one place; a flag left out is not passed at all.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import dataclasses
 import logging
 import os
@@ -229,6 +230,11 @@ def build_parser() -> argparse.ArgumentParser:
     group.add_argument("--address", metavar="RAY_ADDRESS",
                        help="join this Ray cluster (host:port of its head) instead of starting a local one; "
                             "needs --redis-url that every node reaches")
+    group = serve.add_argument_group("replicas (data parallel on this node, no Ray)")
+    group.add_argument("--replicas", type=int, default=1, metavar="N",
+                       help="run N engines per model, each in its own process on GPUs of its own (--tp of them; "
+                            "N x --tp GPUs per model) or on an equal share of the CPU cores, behind the router in "
+                            "this process, which routes by their prefix caches and load (default: %(default)s)")
     group = worker.add_argument_group("registration")
     group.add_argument("--worker-id", help="stable id of this worker (default: hostname-port)")
     group.add_argument("--advertise-address", help="host:port routers dial (default: --host:--port)")
@@ -262,7 +268,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 async def _run(args: argparse.Namespace) -> None:
     # Imported here so `kvcascade --help` and `generate` do not pay for torch.
-    from kvcascade.launch import (RouterOptions, Running, WorkerOptions, start_router,
+    from kvcascade.launch import (RouterOptions, Running, WorkerOptions, replica_placements, start_router,
                                   start_worker, wait_for_signal)
 
     running = Running()
@@ -299,10 +305,14 @@ async def _run(args: argparse.Namespace) -> None:
                 running.on_stop(registry.aclose)
                 # The embedded workers listen on free loopback ports; clients use the router's, and
                 # the router in this process calls them directly.
-                servers = [await start_worker(config, WorkerOptions(host="127.0.0.1", port=0, grace_s=args.grace_period,
-                                                                    exit_on_failure=True),
-                                              running, registry=registry, index=index)
-                           for config in _serve_engine_configs(args)]
+                configs = [c for c in _serve_engine_configs(args) for _ in range(args.replicas)]
+                placements = (replica_placements(len(configs), configs[0]) if args.replicas > 1
+                              else [None] * len(configs))
+                servers = await _start_all([
+                    start_worker(config, WorkerOptions(host="127.0.0.1", port=0, grace_s=args.grace_period,
+                                                       exit_on_failure=True),
+                                 running, registry=registry, index=index, env=env)
+                    for config, env in zip(configs, placements)])
                 await start_router(ropts, running, registry=registry, index=index, grace_s=args.grace_period,
                                    local_workers=servers)
             else:
@@ -313,6 +323,16 @@ async def _run(args: argparse.Namespace) -> None:
     finally:
         await running.stop()
     logger.info("stopped")
+
+
+async def _start_all(starts: list) -> list:
+    """Start workers together (their models load at once) and return their servers; the first
+    failure is raised once every start has ended, so none is still starting while serve stops."""
+    results = await asyncio.gather(*starts, return_exceptions=True)
+    for result in results:
+        if isinstance(result, BaseException):
+            raise result
+    return results
 
 
 def _needs_local_redis(args: argparse.Namespace) -> bool:
@@ -458,6 +478,19 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(str(err))
     if args.command == "serve" and args.workers is not None and args.workers < 1:
         parser.error("--workers must be >= 1")
+    if args.command == "serve" and args.replicas < 1:
+        parser.error(f"--replicas must be >= 1, got {args.replicas}")
+    if args.command == "serve" and args.replicas > 1 and (args.workers or args.address):
+        parser.error("--replicas runs engines on this node without Ray; --workers/--address run them as Ray actors: "
+                     "use one or the other")
+    if args.command == "serve" and args.replicas > 1:
+        from kvcascade.launch import replica_placements
+
+        try:
+            configs = _serve_engine_configs(args)
+            replica_placements(len(configs) * args.replicas, configs[0])
+        except ValueError as err:
+            parser.error(str(err))
     if args.command == "serve" and args.address and not args.redis_url:
         parser.error("--address needs --redis-url: workers on other nodes register there")
     if args.command in ("serve", "router") and args.http_workers < 1:

@@ -2,7 +2,8 @@
 tests and the Ray actor can call these with the same arguments).
 
     serve   = worker(s) + router in one process, in-memory state unless --redis-url is given
-              (or a redis-server of its own, for Ray workers or --http-workers N > 1)
+              (or a redis-server of its own, for Ray workers or --http-workers N > 1); with
+              --replicas N, N engines per model, each on GPUs of its own (replica_placements)
     worker  = one engine behind gRPC; with --redis-url it registers and publishes its cache events
     router  = the gRPC and HTTP fronts over the workers found in Redis; with --http-workers N,
               N-1 more processes serve HTTP on the same port (router/http_workers.py)
@@ -76,6 +77,49 @@ class RouterOptions:
             raise ValueError("http_workers > 1 needs an http_port: the other processes serve HTTP only")
 
 
+def visible_gpus() -> list[str]:
+    """The GPUs this process may hand out: CUDA_VISIBLE_DEVICES's entries where it is set, else the
+    indices nvidia-smi lists; [] where neither says (no GPU, or no driver tools). No torch import:
+    the process that runs serve's router stays torch-free."""
+    listed = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if listed is not None:
+        return [g.strip() for g in listed.split(",") if g.strip()]
+    import subprocess
+
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=index", "--format=csv,noheader"], capture_output=True,
+                             text=True, timeout=30, check=True).stdout
+    except (OSError, subprocess.SubprocessError):
+        return []
+    return [line.strip() for line in out.splitlines() if line.strip()]
+
+
+def replica_placements(groups: int, config: EngineConfig, gpus: list[str] | None = None,
+                       cpus: int | None = None) -> list[dict[str, str]]:
+    """Where each of ``groups`` engines (serve's replicas, of every model it serves) runs, as the
+    environment its engine core and ranks start with:
+    - CUDA: ``tensor_parallel_size`` GPUs of its own, in order (group i gets GPUs i*T .. i*T+T-1 of
+      ``gpus``), as CUDA_VISIBLE_DEVICES, so each engine sees its GPUs as cuda:0..T-1;
+    - CPU: an equal share of the cores (OMP_NUM_THREADS; never more than an OMP_NUM_THREADS already
+      set), so the engines do not oversubscribe them.
+    Raises ValueError naming the flags when the GPUs do not suffice."""
+    tp = config.tensor_parallel_size
+    if config.device.startswith("cuda"):
+        if config.device != "cuda":
+            raise ValueError(f"--replicas places each replica on GPUs of its own: use --device cuda, not "
+                             f"{config.device}")
+        gpus = visible_gpus() if gpus is None else gpus
+        if len(gpus) < groups * tp:
+            raise ValueError(f"--replicas with --tp {tp} needs {groups * tp} GPUs ({groups} engines x {tp}); "
+                             f"{len(gpus)} visible")
+        return [{"CUDA_VISIBLE_DEVICES": ",".join(gpus[i * tp:(i + 1) * tp])} for i in range(groups)]
+    cpus = cpus or len(os.sched_getaffinity(0))
+    share = max(1, cpus // (groups * tp))
+    if (preset := os.environ.get("OMP_NUM_THREADS", "")).isdigit() and int(preset) > 0:
+        share = min(share, int(preset))
+    return [{"OMP_NUM_THREADS": str(share)} for _ in range(groups)]
+
+
 class Running:
     """Things started, stopped in reverse order."""
 
@@ -96,14 +140,15 @@ class Running:
 
 
 async def start_worker(config: EngineConfig, opts: WorkerOptions, running: Running, *, registry=None,
-                       index=None, engine=None, ranks=None):
+                       index=None, engine=None, ranks=None, env: dict[str, str] | None = None):
     """Start one worker: engine, gRPC server and, with shared state, its publisher. Returns the server.
 
     The engine runs in an engine core process of its own (worker/core/process.py), so its step loop
     never shares an interpreter with the servers; an ``engine`` passed in (tests, library use) is
     driven in this process instead. With ``config.tensor_parallel_size`` > 1 the core is rank 0 and
     ``ranks`` starts the others (worker/distributed/ranks.LocalRanks, child processes, by default;
-    the Ray worker passes its own)."""
+    the Ray worker passes its own). ``env``: variables the engine core and its ranks start with on
+    top of this process's (a replica's placement: ``replica_placements``)."""
     from worker.engine.async_engine import AsyncEngine
     from worker.core.client import EngineCoreClient
     from worker.server import WorkerServer
@@ -117,11 +162,11 @@ async def start_worker(config: EngineConfig, opts: WorkerOptions, running: Runni
             if ranks is None:
                 from worker.distributed.ranks import LocalRanks
 
-                ranks = LocalRanks(config)
+                ranks = LocalRanks(config, env)
             config = await asyncio.to_thread(ranks.spawn)
             init_method = ranks.init_method
             running.on_stop(ranks.stop)  # last: after the core has released them
-        async_engine = EngineCoreClient(config, init_method=init_method)
+        async_engine = EngineCoreClient(config, init_method=init_method, env=env)
         watch = ranks.dead_rank if ranks is not None else (lambda: None)
         try:
             await asyncio.to_thread(async_engine.start, None, watch)

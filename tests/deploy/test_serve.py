@@ -277,3 +277,78 @@ def test_serve_reaches_its_embedded_worker_in_process_with_grpc_semantics():
                 time.sleep(0.2)
     finally:
         assert serve.stop() == 0
+
+
+def _ask_with_system(url: str, system: int, question: str) -> dict:
+    body = {"messages": [{"role": "system", "content": f"System prompt number {system}. " + "Answer briefly. " * 30},
+                         {"role": "user", "content": question}], "temperature": 0, "max_tokens": 4}
+    r = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def test_serve_replicas_route_a_prefix_to_its_holder_and_share_concurrent_load():
+    """--replicas 2: two engine cores (an equal share of the cores each) behind the embedded router and
+    its in-memory index, fed by both replicas' cache events: a repeated system prompt finds the replica
+    that holds it, 16 requests at once are all answered and both replicas work, SIGTERM stops everything."""
+    serve = Serve("--replicas", "2").wait_ready()
+    try:
+        cores = [p for p in psutil.Process(serve.proc.pid).children(recursive=True)
+                 if "worker.core.process" in " ".join(p.cmdline())]
+        assert len(cores) == 2
+        assert all(p.environ().get("OMP_NUM_THREADS") == "1" for p in cores)  # min(1 set here, cores // 2)
+        metrics = httpx.get(f"{serve.url}/metrics", timeout=10).text
+        assert "kvcascade_workers_live 2.0" in metrics
+        for system in range(3):  # a new prefix, then a second question under it: routed to the holder
+            first = _ask_with_system(serve.url, system, "first?")
+            second = _ask_with_system(serve.url, system, "second?")
+            assert first["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+            assert second["usage"]["prompt_tokens_details"]["cached_tokens"] >= 64  # the system prompt's blocks
+        before = [sum(p.cpu_times()[:2]) for p in cores]
+        with ThreadPoolExecutor(16) as pool:
+            answers = list(pool.map(lambda i: _ask_with_system(serve.url, i % 3, f"question {i}?"), range(16)))
+        assert all(a["usage"]["completion_tokens"] >= 1 for a in answers)
+        used = [sum(p.cpu_times()[:2]) - b for p, b in zip(cores, before)]
+        assert min(used) > 0.5, f"CPU seconds per replica under load: {used}"
+    finally:
+        assert serve.stop() == 0
+    assert not [p.pid for p in cores if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+
+
+def test_replica_placements_give_each_engine_its_gpus_or_its_share_of_the_cores(monkeypatch):
+    from kvcascade.launch import replica_placements
+    from worker.engine.config import EngineConfig
+
+    gpus = [str(i) for i in range(8)]
+    assert replica_placements(4, EngineConfig(device="cuda", tensor_parallel_size=2), gpus) == [
+        {"CUDA_VISIBLE_DEVICES": "0,1"}, {"CUDA_VISIBLE_DEVICES": "2,3"}, {"CUDA_VISIBLE_DEVICES": "4,5"},
+        {"CUDA_VISIBLE_DEVICES": "6,7"}]
+    uuids = ["GPU-a", "GPU-b", "GPU-c"]  # CUDA_VISIBLE_DEVICES may hold UUIDs: passed on as they are
+    assert replica_placements(3, EngineConfig(device="cuda"), uuids) == [{"CUDA_VISIBLE_DEVICES": g} for g in uuids]
+    with pytest.raises(ValueError, match=r"--replicas with --tp 2 needs 6 GPUs \(3 engines x 2\); 4 visible"):
+        replica_placements(3, EngineConfig(device="cuda", tensor_parallel_size=2), gpus[:4])
+    with pytest.raises(ValueError, match="use --device cuda, not cuda:1"):
+        replica_placements(2, EngineConfig(device="cuda:1"), gpus)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,5")
+    assert replica_placements(2, EngineConfig(device="cuda")) == [{"CUDA_VISIBLE_DEVICES": "3"},
+                                                                 {"CUDA_VISIBLE_DEVICES": "5"}]
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    assert replica_placements(2, EngineConfig(), cpus=16) == [{"OMP_NUM_THREADS": "8"}] * 2
+    assert replica_placements(4, EngineConfig(tensor_parallel_size=2), cpus=16) == [{"OMP_NUM_THREADS": "2"}] * 4
+    assert replica_placements(3, EngineConfig(), cpus=2) == [{"OMP_NUM_THREADS": "1"}] * 3
+    monkeypatch.setenv("OMP_NUM_THREADS", "4")
+    assert replica_placements(2, EngineConfig(), cpus=16) == [{"OMP_NUM_THREADS": "4"}] * 2
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--replicas", "0"], "--replicas must be >= 1, got 0"),
+    (["--replicas", "2", "--workers", "2"], "use one or the other"),
+    (["--replicas", "2", "--device", "cuda"], "--replicas with --tp 1 needs 2 GPUs (2 engines x 1); 0 visible"),
+])
+def test_replica_flags_that_cannot_work_are_refused_before_loading(capsys, monkeypatch, flags, message):
+    from kvcascade.cli import main
+
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    with pytest.raises(SystemExit) as exit:
+        main(["serve", *flags])
+    assert exit.value.code == 2 and message in capsys.readouterr().err

@@ -62,10 +62,13 @@ class _Request:
 
 
 class EngineCoreClient:
-    def __init__(self, config: EngineConfig, *, init_method: str | None = None, tokenizer=None):
-        """``init_method``: with tensor parallelism, where the other ranks (already started) wait."""
+    def __init__(self, config: EngineConfig, *, init_method: str | None = None, tokenizer=None,
+                 env: dict[str, str] | None = None):
+        """``init_method``: with tensor parallelism, where the other ranks (already started) wait;
+        ``env``: variables the core process gets on top of this one's (a replica's GPUs or threads)."""
         self.config = config
         self.init_method = init_method
+        self.env = env or {}
         self._tokenizer = tokenizer
         self.inputs: InputProcessor | None = None
         self.proc: subprocess.Popen | None = None
@@ -120,7 +123,7 @@ class EngineCoreClient:
             [sys.executable, "-m", "worker.core.process", "--config", payload, "--input", f"ipc://{self._dir}/in",
              "--output", f"ipc://{self._dir}/out", "--parent-pid", str(os.getpid()),
              *(["--init-method", self.init_method] if self.init_method else [])],
-            env=dict(os.environ, PYTHONUNBUFFERED="1"))
+            env=dict(os.environ, PYTHONUNBUFFERED="1", **self.env))
         try:
             # The tokenizer loads here while the core loads the model.
             tokenizer = self._tokenizer if self._tokenizer is not None else load_tokenizer(resolve_model(self.config.model), self.config.tokenizer)

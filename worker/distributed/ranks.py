@@ -99,8 +99,10 @@ def exit_when_parent_dies(parent_pid: int, poll_s: float = 0.5) -> None:
 class LocalRanks:
     """Ranks 1..T-1 as child processes of this one, which then joins as rank 0."""
 
-    def __init__(self, config: EngineConfig):
+    def __init__(self, config: EngineConfig, env: dict[str, str] | None = None):
+        """``env``: variables the ranks get on top of this process's (a replica's GPUs or threads)."""
         self.config = config
+        self.env = env or {}
         self.procs: list[subprocess.Popen] = []
         self.init_method = f"tcp://127.0.0.1:{free_port()}"
 
@@ -113,7 +115,7 @@ class LocalRanks:
             self.procs.append(subprocess.Popen(
                 [sys.executable, "-m", "worker.distributed.ranks", "--rank", str(rank), "--init-method",
                  self.init_method, "--parent-pid", str(os.getpid()), "--config", payload],
-                env=dict(os.environ, PYTHONUNBUFFERED="1")))
+                env=dict(os.environ, PYTHONUNBUFFERED="1", **self.env)))
         return local_rank_config(self.config, 0)
 
     def start(self) -> EngineConfig:
