@@ -20,7 +20,7 @@ ranks with the prefix-aware score but reads every worker's pool directly (no ind
 eviction it has not seen): the hit rate a perfect index would give.
 
     python benchmarks/fleet_sim.py --workers 8 32 64 --loads 0.7 1.0 --out docs/results/fleet_sim.json
-    python benchmarks/fleet_sim.py --workers 16 --hot 0.5 --loads 0.9      # one prefix takes half the traffic
+    python benchmarks/fleet_sim.py --workers 16 --hot 0.5 --hot-from 4 --loads 0.7   # prefix 0 takes half the traffic from t=4 s
 
 Capacity: for each fleet size, the highest Poisson rate at which the prefix-aware policy keeps TTFT
 p90 within --slo-s (a bisection between 0 and the rate every worker could finish with every prompt
@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import heapq
 import json
 import random
@@ -51,7 +52,7 @@ from contracts.redis_state import RedisPrefixIndex, redis_client  # noqa: E402
 from contracts.state import CacheEvent, WorkerInfo, WorkerLoad  # noqa: E402
 from deploy.local import LocalRedis  # noqa: E402
 from protos.block_hash import block_hashes  # noqa: E402
-from router.policy import Candidate, PrefixAwarePolicy, create_policy  # noqa: E402
+from router.policy import Candidate, PrefixAwareConfig, PrefixAwarePolicy, create_policy  # noqa: E402
 from worker.engine.block_manager import BlockManager  # noqa: E402
 from worker.engine.sampling_params import SamplingParams  # noqa: E402
 from worker.engine.scheduler import Scheduler  # noqa: E402
@@ -215,7 +216,8 @@ def make_workload(args, rate: float | None, n: int, seed: int) -> list[Request]:
     for i in range(n):
         if rate is not None:
             t += rng.expovariate(rate)
-        p = 0 if args.hot and rng.random() < args.hot else rng.randrange(len(prefixes))
+        hot = args.hot if t >= args.hot_from else 0.0
+        p = 0 if hot and rng.random() < hot else rng.randrange(len(prefixes))
         question = [rng.randrange(1, 128_000) for _ in range(rng.randint(*args.question_tokens))]
         reqs.append(Request(i, t, p, prefixes[p] + question, rng.randint(*args.output_tokens)))
     return reqs
@@ -246,6 +248,11 @@ def decode_bound(args) -> float:
     return n / step_s / mean_out
 
 
+def _kv(text: str) -> tuple[str, float]:
+    key, _, value = text.partition("=")
+    return key.replace("-", "_"), float(value)
+
+
 def percentile(values: list[float], q: float) -> float:
     if not values:
         return float("nan")
@@ -263,7 +270,8 @@ async def simulate(args, policy_name: str, workers_n: int, reqs: list[Request], 
     for w in workers:  # a new epoch per run: the index ignores what earlier runs left
         w.info.epoch = f"r{run}-{w.index}"
     oracle = policy_name == "oracle"
-    policy = PrefixAwarePolicy() if oracle else create_policy(policy_name)
+    config = PrefixAwareConfig(**dict(_kv(x) for x in args.prefix_aware_config))
+    policy = PrefixAwarePolicy(config) if policy_name in ("prefix_aware", "oracle") else create_policy(policy_name)
     epochs = {w.info.worker_id: w.info.epoch for w in workers}
     heap: list[tuple[float, int, str, object]] = []
     counter = 0
@@ -363,6 +371,64 @@ def hot_timeline(timeline: list[tuple[float, int, int, float]], window: float) -
     return out
 
 
+async def router_cost(args, n: int, client, index: RedisPrefixIndex, requests: int = 2000) -> dict:
+    """The prefix-aware decision alone, as a router process makes it: block hashes, one match round
+    trip against the index the last run left (full pools of ``n`` workers), the policy's order over
+    ``n`` candidates, back to back. The simulated fleet's objects are frozen out of the garbage
+    collector first: a router's heap does not hold a fleet. Also the tokenizing of the same prompts
+    as chat text, where the bundled SmolLM2 tokenizer is installed."""
+    reqs = make_workload(args, None, requests, args.seed + 2)
+    workers = [WorkerInfo(worker_id=f"sim-{i:03d}", epoch="", address="", model=MODEL, block_size=BLOCK,
+                          load=WorkerLoad(running=64, waiting=2, kv_blocks_free=1000, kv_blocks_total=args.blocks,
+                                          queued_tokens=3000)) for i in range(n)]
+    epochs = {w.worker_id: e for w, e in zip(workers, await _epochs(client, n))}
+    policy = PrefixAwarePolicy()
+    gc.collect()
+    gc.freeze()
+    times = []
+    try:
+        for r in reqs:
+            t0 = time.perf_counter()
+            hashes = block_hashes(r.prompt, BLOCK, MODEL)
+            held = await index.match(MODEL, hashes, epochs)
+            candidates = [Candidate(w, min(held.get(w.worker_id, 0) * BLOCK, len(r.prompt)), 3) for w in workers]
+            policy.order(candidates, len(r.prompt))
+            times.append(time.perf_counter() - t0)
+    finally:
+        gc.unfreeze()
+    out = {"decision_p50_ms": percentile(times, 0.5) * 1e3, "decision_p99_ms": percentile(times, 0.99) * 1e3,
+           "decisions_per_s": len(times) / sum(times)}
+    try:
+        from contracts.models import resolve_model
+        from contracts.tokenizers import load_tokenizer
+
+        tok = load_tokenizer(resolve_model("smollm2-135m"))
+        words = ["policy", "customers", "always", "within", "days", "receipt", "service", "hours", "price"]
+        rng = random.Random(5)
+        texts = [" ".join(rng.choice(words) for _ in range(rng.randint(*args.prefix_tokens))) for _ in range(50)]
+        tt = []
+        for text in texts:
+            t0 = time.perf_counter()
+            tok.apply_chat_template([{"role": "system", "content": text}, {"role": "user", "content": "A question?"}],
+                                    add_generation_prompt=True, tokenize=True)
+            tt.append(time.perf_counter() - t0)
+        out.update(tokenize_p50_ms=percentile(tt, 0.5) * 1e3, tokenize_p99_ms=percentile(tt, 0.99) * 1e3)
+    except Exception as exc:  # no bundled model here: the decision alone
+        out["tokenize"] = f"not measured: {exc}"
+    return out
+
+
+async def _epochs(client, n: int) -> list[str]:
+    """The epochs the last run's workers indexed their blocks under (run-specific), by worker."""
+    epochs = []
+    for i in range(n):
+        wid = f"sim-{i:03d}"
+        member = await client.srandmember(f"sim:held:{wid}")
+        epoch = await client.hget(f"sim:idx:{member}", wid) if member else None
+        epochs.append(epoch or "none")
+    return epochs
+
+
 async def redis_bytes_per_block(client, index: RedisPrefixIndex, args) -> dict:
     """Memory Redis spends per indexed block: 8 workers' pools of distinct blocks stored, then a
     ninth worker holding one of those pools again (what a second holder of a prefix costs)."""
@@ -410,6 +476,11 @@ async def main_async(args) -> dict:
                           f"busiest {s['max_over_mean_busy']:.2f}x  preempt {s['preemptions']}  "
                           f"decision p99 {s['decision_p99_ms']:.2f} ms ({s['decisions_per_s']:,.0f}/s)  "
                           f"[{s['sim_wall_s']:.0f} s]", flush=True)
+        results["router_cost"] = {n: await router_cost(args, n, client, index) for n in args.workers}
+        for n, c in results["router_cost"].items():
+            print(f"{n} workers, router alone: decision p50 {c['decision_p50_ms']:.2f} ms p99 {c['decision_p99_ms']:.2f} ms "
+                  f"({c['decisions_per_s']:,.0f}/s); tokenize p50 {c.get('tokenize_p50_ms', float('nan')):.2f} ms "
+                  f"p99 {c.get('tokenize_p99_ms', float('nan')):.2f} ms", flush=True)
         results["redis"] = await redis_bytes_per_block(client, index, args)
         print(f"redis: {results['redis']['bytes_per_block']:.0f} bytes per indexed block, "
               f"{results['redis']['bytes_per_second_holder']:.0f} per second holder", flush=True)
@@ -434,11 +505,14 @@ def main() -> None:
     ap.add_argument("--max-num-seqs", type=int, default=128)
     ap.add_argument("--max-batched-tokens", type=int, default=8192)
     ap.add_argument("--hot", type=float, default=0.0, help="share of requests on prefix 0 (the hot-spot run)")
+    ap.add_argument("--hot-from", type=float, default=0.0, help="virtual second at which prefix 0 turns hot")
     ap.add_argument("--window", type=float, default=1.0, help="hot-spot timeline window, virtual seconds")
     ap.add_argument("--slo-s", type=float, default=1.0, help="capacity: the TTFT p90 a sustained rate keeps")
     ap.add_argument("--search-steps", type=int, default=5)
     ap.add_argument("--search-duration", type=float, default=6.0)
     ap.add_argument("--rates", action="store_true", help="--loads are requests/s per worker, not fractions of capacity")
+    ap.add_argument("--prefix-aware-config", nargs="*", default=[], metavar="KEY=VALUE",
+                    help="PrefixAwareConfig fields for prefix_aware and oracle (router/policy.py), e.g. load_weight=0.5")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
@@ -451,6 +525,7 @@ def main() -> None:
         else:
             results["runs"] += r["runs"]
             results["capacity"].update(r["capacity"])
+            results["router_cost"].update(r["router_cost"])
     if args.out:
         Path(args.out).write_text(json.dumps(results, indent=1))
 

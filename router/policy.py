@@ -34,7 +34,14 @@ class Candidate:
 
 @dataclass(frozen=True)
 class PrefixAwareConfig:
-    load_weight: float = 1.0  # tokens of backlog worth one token of saved prefill
+    # Tokens of backlog worth one token of saved prefill. Below 1 because a spill costs more than
+    # the wait it avoids: the whole prompt's prefill is added to the fleet's work, and its copy
+    # evicts other prefixes from the new holder's pool. At 1.0, 32 simulated H200 workers
+    # (benchmarks/fleet_sim.py, 256 prompts of 2-4k tokens) near capacity spilled their way into a
+    # collapse (prefix hit rate 0.40, 21k output tok/s, below round-robin's 27k); at 0.1 the same
+    # arrivals kept a 0.89 hit rate and 53k tok/s, and a prefix taking half the traffic still
+    # spread over 5-7 workers (docs/BENCHMARKS.md, "Routing at fleet scale").
+    load_weight: float = 0.1
     decode_cost: float = 16.0  # a running decode, in prefill-token equivalents of work
     kv_weight: float = 0.5  # how strongly a full KV cache repels new prompts
     in_flight_tokens: float = 256.0  # assumed size of a request sent but not yet seen in a heartbeat

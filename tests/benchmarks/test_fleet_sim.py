@@ -19,7 +19,7 @@ spec.loader.exec_module(fleet_sim)
 
 
 def _args(**kw) -> argparse.Namespace:
-    base = dict(prefixes=24, prefix_tokens=[512, 1024], question_tokens=[16, 48], output_tokens=[16, 48],
+    base = dict(prefix_aware_config=[], hot_from=0.0, prefixes=24, prefix_tokens=[512, 1024], question_tokens=[16, 48], output_tokens=[16, 48],
                 blocks=320, max_num_seqs=32, max_batched_tokens=2048, hot=0.0, window=1.0, seed=3)
     return argparse.Namespace(**{**base, **kw})
 
