@@ -8,7 +8,8 @@ What is real and what is simulated:
   (worker/engine/), so continuous batching, chunked prefill, preemption, the LRU prefix cache and
   the stored / evicted events it publishes are the engine's code.
 - **Simulated**: the forward pass. A step takes the time a cost model gives for its decode rows,
-  prefill tokens and live KV (StepCost below, from the GPU measurements in docs/BENCHMARKS.md);
+  prefill tokens and live KV (StepCost below, fitted to the engine's steps on an H200 running this
+  workload: benchmarks/step_cost_gpu.py);
   the sampled tokens are random ids. Heartbeats (load every 1 s) and cache events (every 50 ms)
   reach the router as the worker publisher sends them (worker/registration.py), in virtual time.
 
@@ -50,7 +51,6 @@ sys.path.insert(0, str(REPO))
 
 from contracts.redis_state import RedisPrefixIndex, redis_client  # noqa: E402
 from contracts.state import CacheEvent, WorkerInfo, WorkerLoad  # noqa: E402
-from deploy.local import LocalRedis  # noqa: E402
 from protos.block_hash import block_hashes  # noqa: E402
 from router.policy import Candidate, PrefixAwareConfig, PrefixAwarePolicy, create_policy  # noqa: E402
 from worker.engine.block_manager import BlockManager  # noqa: E402
@@ -66,31 +66,32 @@ EVENTS_S = 0.05  # worker/registration.py: event_interval_s
 
 @dataclass(frozen=True)
 class StepCost:
-    """Milliseconds of one engine step of Llama-3.1-8B in bf16 on one H200, from measurements in
-    docs/BENCHMARKS.md:
-    - weights: a decode step at batch 1 is 4.48 ms (weight quantization section, H200, CUDA graphs);
-    - rows: at 256 rows the GEMMs took 7.05 ms against 5.39 ms of weight reads (H100 timeline), so
-      each decode row adds about 0.01 ms of compute;
-    - live KV: 128 KiB per token (32 layers x 8 KV heads x 128 x 2 x bf16) read at the 4.25 TB/s
-      copy rate of the H200 (tensor-parallel section), times 1/0.93 (decode attention ran at 93%);
-    - prefill: 0.025 ms a token of GEMMs (a mixed step of 8,128 prefill tokens: 161.6 ms of GEMMs
-      at 708 TFLOP/s) plus attention over the context at 120 TFLOP/s (the same profile: 9.5 ms).
+    """Milliseconds of one engine step of dummy:llama-3.1-8b in bf16 on one H200, fitted to the
+    steps of the engine running this simulator's workload there (benchmarks/step_cost_gpu.py,
+    docs/results/step_cost_h200_2026-11-26.json: 1,943 steps, the lookahead off so that each step's
+    time is its own; median error per step 3.9%, p90 23%):
+    - base: 7.83 ms a step (the 16 GB of weights, 4.48 ms with CUDA graphs at batch 1, plus the
+      host's scheduling, sampling and output work, which the lookahead would partly hide);
+    - per decode row 0.052 ms, plus its live KV (128 KiB a token) read at 93% of the H200's
+      4.25 TB/s copy rate (kept from the physics: the runs' contexts, all ~3k tokens, cannot
+      separate a per-row from a per-context cost);
+    - per prefill token 0.025 ms (the GEMMs at 708 TFLOP/s, as profiled on an H100; held fixed in
+      the fit, which then gives attention over these 2-4k prompts no cost of its own);
+    - a step with any prefill: +10.2 ms (it runs eagerly, outside the CUDA graphs).
     """
 
-    weights_ms: float = 4.48
-    row_ms: float = 0.01
+    base_ms: float = 7.83
+    row_ms: float = 0.052
     kv_bytes_per_token: int = 131072
     kv_bytes_per_ms: float = 4.25e9 * 0.93
     prefill_token_ms: float = 0.025
-    attn_flops_per_token_ctx: float = 4 * 32 * 4096  # QK^T and PV, every layer
-    attn_flops_per_ms: float = 120e9
+    mixed_ms: float = 10.2
 
     def step_ms(self, decode_rows: int, decode_context: int, prefill: list[tuple[int, int]]) -> float:
-        """``prefill``: (new tokens, context they attend to: their own start + half of them)."""
-        ms = self.weights_ms + self.row_ms * decode_rows + decode_context * self.kv_bytes_per_token / self.kv_bytes_per_ms
-        for new, ctx in prefill:
-            ms += new * self.prefill_token_ms + new * ctx * self.attn_flops_per_token_ctx / self.attn_flops_per_ms
-            ms += ctx * self.kv_bytes_per_token / self.kv_bytes_per_ms / 8  # reading the cached prefix, once a chunk
+        """``prefill``: (new tokens, context they attend to) per prefilling sequence."""
+        ms = self.base_ms + self.row_ms * decode_rows + decode_context * self.kv_bytes_per_token / self.kv_bytes_per_ms
+        if prefill:
+            ms += self.mixed_ms + self.prefill_token_ms * sum(new for new, _ in prefill)
         return ms
 
 
@@ -449,6 +450,8 @@ async def redis_bytes_per_block(client, index: RedisPrefixIndex, args) -> dict:
 
 
 async def main_async(args) -> dict:
+    from deploy.local import LocalRedis  # here: the GPU cost check imports this module without gRPC
+
     redis = LocalRedis().start()
     client = redis_client(redis.url, timeout_s=10)
     index = RedisPrefixIndex(client, "sim:")
