@@ -95,6 +95,20 @@ class StepCost:
         return ms
 
 
+def composition(batch: list) -> tuple[int, int, list[tuple[int, int]]]:
+    """What a step's cost depends on: decode rows, their context tokens, and per prefilling
+    sequence (new tokens, the context they attend to on average)."""
+    rows = ctx = 0
+    prefill = []
+    for it in batch:
+        if it.num_new_tokens == 1:
+            rows += 1
+            ctx += it.seq.num_computed_tokens + 1
+        else:
+            prefill.append((it.num_new_tokens, it.seq.num_computed_tokens + it.num_new_tokens // 2))
+    return rows, ctx, prefill
+
+
 @dataclass
 class Request:
     rid: int
@@ -152,15 +166,7 @@ class SimWorker:
             self._done(seq, now)
         if not batch:
             return None
-        rows = ctx = 0
-        prefill = []
-        for it in batch:
-            if it.num_new_tokens == 1:
-                rows += 1
-                ctx += it.seq.num_computed_tokens + 1
-            else:
-                prefill.append((it.num_new_tokens, it.seq.num_computed_tokens + it.num_new_tokens // 2))
-        ms = self.cost.step_ms(rows, ctx, prefill)
+        ms = self.cost.step_ms(*composition(batch))
         self.busy_ms += ms
         self.batch = batch
         self.busy_until = now + ms / 1e3

@@ -24,8 +24,7 @@ import sys
 import time
 from collections import defaultdict
 from pathlib import Path
-
-import numpy as np
+from types import SimpleNamespace
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
@@ -35,15 +34,10 @@ DATA = REPO / "benchmarks" / "data" / "speculative_workloads.jsonl"
 
 
 def ngram(tokens: list[int], k: int, min_n: int = 1, max_n: int = 4) -> list[int]:
-    """worker/engine/speculative.NgramDrafter's proposal (the latest earlier match of the longest suffix)."""
-    arr = np.asarray(tokens)
-    for n in range(min(max_n, len(arr) - 1), min_n - 1, -1):
-        windows = np.lib.stride_tricks.sliding_window_view(arr[:-1], n)
-        hits = np.flatnonzero((windows == arr[-n:]).all(axis=1))
-        if hits.size:
-            start = int(hits[-1]) + n
-            return arr[start:start + k].tolist()
-    return []
+    """The engine's own n-gram proposal (worker/engine/speculative.NgramDrafter) for these tokens."""
+    from worker.engine.speculative import NgramDrafter
+
+    return NgramDrafter(min_n, max_n).propose(SimpleNamespace(token_ids=tokens), k)
 
 
 def replay(prompt: list[int], answer: list[int], cost: dict[int, float], k: int, backoff: int,

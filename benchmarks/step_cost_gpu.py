@@ -69,14 +69,7 @@ def main() -> None:
 
     def recording(*a, **kw):
         batch, overflow = schedule(*a, **kw)
-        rows = ctx = 0
-        prefill = []
-        for it in batch:
-            if it.num_new_tokens == 1:
-                rows += 1
-                ctx += it.seq.num_computed_tokens + 1
-            else:
-                prefill.append((it.num_new_tokens, it.seq.num_computed_tokens + it.num_new_tokens // 2))
+        rows, ctx, prefill = fleet_sim.composition(batch)
         last.update(rows=rows, ctx=ctx, prefill=prefill)
         return batch, overflow
 
