@@ -123,9 +123,18 @@ class Request:
     cached: int = 0
 
 
+def worker_id(i: int) -> str:
+    return f"sim-{i:03d}"
+
+
+def epoch_of(run: int, i: int) -> str:
+    return f"r{run}-{i}"
+
+
 @dataclass
 class SimWorker:
     index: int
+    epoch: str  # new per run (epoch_of), so the index ignores what earlier runs left
     num_blocks: int
     max_num_seqs: int
     max_batched_tokens: int
@@ -143,15 +152,14 @@ class SimWorker:
     def __post_init__(self) -> None:
         self.bm = BlockManager(self.num_blocks, BLOCK, MODEL)
         self.sched = Scheduler(self.bm, self.max_batched_tokens, self.max_num_seqs)
-        self.info = WorkerInfo(worker_id=f"sim-{self.index:03d}", epoch=f"e{self.index}", address="", model=MODEL,
+        self.info = WorkerInfo(worker_id=worker_id(self.index), epoch=self.epoch, address="", model=MODEL,
                                capacity=self.max_num_seqs, block_size=BLOCK, load=self.load())
 
     def load(self) -> WorkerLoad:
         seqs = self.sched.running + list(self.sched.waiting)
         return WorkerLoad(running=len(self.sched.running), waiting=len(self.sched.waiting),
                           kv_blocks_free=self.bm.num_free_blocks, kv_blocks_total=self.num_blocks,
-                          queued_tokens=sum(s.num_tokens - s.num_computed_tokens - 1 for s in seqs
-                                            if s.num_tokens - s.num_computed_tokens > 1))
+                          queued_tokens=sum(s.num_prefill_pending for s in seqs))
 
     def add(self, req: Request) -> None:
         seq = Sequence(str(req.rid), req.prompt, SamplingParams(max_tokens=req.output_tokens, ignore_eos=True))
@@ -270,12 +278,10 @@ def percentile(values: list[float], q: float) -> float:
 async def simulate(args, policy_name: str, workers_n: int, reqs: list[Request], index: RedisPrefixIndex,
                    run: int) -> dict:
     """Run ``reqs`` through ``workers_n`` fresh workers with one policy; a summary dict."""
-    rng = random.Random(run)
     cost = StepCost()
-    workers = [SimWorker(i, args.blocks, args.max_num_seqs, args.max_batched_tokens, cost, random.Random(run * 1000 + i))
-               for i in range(workers_n)]
-    for w in workers:  # a new epoch per run: the index ignores what earlier runs left
-        w.info.epoch = f"r{run}-{w.index}"
+    workers = [SimWorker(i, epoch_of(run, i), args.blocks, args.max_num_seqs, args.max_batched_tokens, cost,
+                         random.Random(run * 1000 + i)) for i in range(workers_n)]
+    by_id = {w.info.worker_id: w for w in workers}
     oracle = policy_name == "oracle"
     config = PrefixAwareConfig(**dict(_kv(x) for x in args.prefix_aware_config))
     policy = PrefixAwarePolicy(config) if policy_name in ("prefix_aware", "oracle") else create_policy(policy_name)
@@ -312,7 +318,7 @@ async def simulate(args, policy_name: str, workers_n: int, reqs: list[Request], 
                           for w in workers]
             (best, reason), *_ = policy.order(candidates, len(req.prompt))
             decisions.append(time.perf_counter() - t0)
-            worker = workers[int(best.worker.worker_id.split("-")[1])]
+            worker = by_id[best.worker.worker_id]
             req.worker, req.reason = worker.index, reason
             worker.add(req)
             if worker.busy_until is None:
@@ -378,17 +384,17 @@ def hot_timeline(timeline: list[tuple[float, int, int, float]], window: float) -
     return out
 
 
-async def router_cost(args, n: int, client, index: RedisPrefixIndex, requests: int = 2000) -> dict:
+async def router_cost(args, n: int, index: RedisPrefixIndex, run: int, requests: int = 2000) -> dict:
     """The prefix-aware decision alone, as a router process makes it: block hashes, one match round
-    trip against the index the last run left (full pools of ``n`` workers), the policy's order over
+    trip against the index that run ``run`` left (full pools of ``n`` workers), the policy's order over
     ``n`` candidates, back to back. The simulated fleet's objects are frozen out of the garbage
     collector first: a router's heap does not hold a fleet. Also the tokenizing of the same prompts
     as chat text, where the bundled SmolLM2 tokenizer is installed."""
     reqs = make_workload(args, None, requests, args.seed + 2)
-    workers = [WorkerInfo(worker_id=f"sim-{i:03d}", epoch="", address="", model=MODEL, block_size=BLOCK,
+    workers = [WorkerInfo(worker_id=worker_id(i), epoch=epoch_of(run, i), address="", model=MODEL, block_size=BLOCK,
                           load=WorkerLoad(running=64, waiting=2, kv_blocks_free=1000, kv_blocks_total=args.blocks,
                                           queued_tokens=3000)) for i in range(n)]
-    epochs = {w.worker_id: e for w, e in zip(workers, await _epochs(client, n))}
+    epochs = {w.worker_id: w.epoch for w in workers}
     policy = PrefixAwarePolicy()
     gc.collect()
     gc.freeze()
@@ -425,32 +431,20 @@ async def router_cost(args, n: int, client, index: RedisPrefixIndex, requests: i
     return out
 
 
-async def _epochs(client, n: int) -> list[str]:
-    """The epochs the last run's workers indexed their blocks under (run-specific), by worker."""
-    epochs = []
-    for i in range(n):
-        wid = f"sim-{i:03d}"
-        member = await client.srandmember(f"sim:held:{wid}")
-        epoch = await client.hget(f"sim:idx:{member}", wid) if member else None
-        epochs.append(epoch or "none")
-    return epochs
-
-
 async def redis_bytes_per_block(client, index: RedisPrefixIndex, args) -> dict:
     """Memory Redis spends per indexed block: 8 workers' pools of distinct blocks stored, then a
     ninth worker holding one of those pools again (what a second holder of a prefix costs)."""
     await client.flushdb()
-    used = lambda info: info["used_memory"]  # noqa: E731
-    before = used(await client.info("memory"))
+    before = (await client.info("memory"))["used_memory"]
     rng = random.Random(7)
     pools = [[rng.getrandbits(63) for _ in range(args.blocks)] for _ in range(8)]
     for w, hashes in enumerate(pools):
         for s in range(0, len(hashes), 512):
             await index.apply(f"mem-{w}", "e", MODEL, [CacheEvent("stored", h) for h in hashes[s:s + 512]])
-    distinct = used(await client.info("memory"))
+    distinct = (await client.info("memory"))["used_memory"]
     for s in range(0, args.blocks, 512):
         await index.apply("mem-copy", "e", MODEL, [CacheEvent("stored", h) for h in pools[0][s:s + 512]])
-    copied = used(await client.info("memory"))
+    copied = (await client.info("memory"))["used_memory"]
     return {"blocks": 8 * args.blocks, "bytes_per_block": (distinct - before) / (8 * args.blocks),
             "bytes_per_second_holder": (copied - distinct) / args.blocks}
 
@@ -485,7 +479,7 @@ async def main_async(args) -> dict:
                           f"busiest {s['max_over_mean_busy']:.2f}x  preempt {s['preemptions']}  "
                           f"decision p99 {s['decision_p99_ms']:.2f} ms ({s['decisions_per_s']:,.0f}/s)  "
                           f"[{s['sim_wall_s']:.0f} s]", flush=True)
-        results["router_cost"] = {n: await router_cost(args, n, client, index) for n in args.workers}
+        results["router_cost"] = {n: await router_cost(args, n, index, run) for n in args.workers}
         for n, c in results["router_cost"].items():
             print(f"{n} workers, router alone: decision p50 {c['decision_p50_ms']:.2f} ms p99 {c['decision_p99_ms']:.2f} ms "
                   f"({c['decisions_per_s']:,.0f}/s); tokenize p50 {c.get('tokenize_p50_ms', float('nan')):.2f} ms "

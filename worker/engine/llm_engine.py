@@ -416,8 +416,7 @@ class LLMEngine:
             running=len(self.scheduler.running), waiting=len(self.scheduler.waiting),
             kv_blocks_total=bm.num_blocks, kv_blocks_free=bm.num_free_blocks, kv_blocks_used=bm.num_used_blocks,
             prefix_queries=bm.prefix_queries, prefix_hits=bm.prefix_hits, block_size=bm.block_size,
-            pending_prefill_tokens=sum(s.num_tokens - s.num_computed_tokens - 1 for s in self.requests.values()
-                                       if s.num_tokens - s.num_computed_tokens > 1),
+            pending_prefill_tokens=sum(s.num_prefill_pending for s in self.requests.values()),
             spec_drafted=self.spec_stats.drafted, spec_accepted=self.spec_stats.accepted,
             spec_verifications=self.spec_stats.verifications,
         )

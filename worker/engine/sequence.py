@@ -104,6 +104,12 @@ class Sequence:
         return len(self.token_ids) + self.num_pending_tokens
 
     @property
+    def num_prefill_pending(self) -> int:
+        """Known tokens still to compute before the next one can be sampled (0 in plain decode):
+        what a worker reports as queued prefill (EngineStats.pending_prefill_tokens)."""
+        return max(self.num_tokens - self.num_computed_tokens - 1, 0)
+
+    @property
     def output_token_ids(self) -> list[int]:
         return self.token_ids[self.num_prompt_tokens :]
 
