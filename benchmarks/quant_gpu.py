@@ -2,12 +2,15 @@
 with dummy:llama-3.1-8b quantized at load (bf16 vs int8 vs int4 in the same run).
 
     python benchmarks/quant_gpu.py --out quant.json [--configs none int8 int4] [--parts kernels engine]
-        [--batches 1 8 16 64] [--sweep-prefill]
+        [--batches 1 8 16 64] [--sweep-prefill] [--decode-rows 1 2 4 8 16] [--sweep-gemv]
 
 kernels  each Llama-3.1-8B projection (and the LM head in int8) at 1, 8, 16, 64 and 512 rows:
          median time (triton.testing.do_bench) of bf16 (the engine's path: skinny matmul at 1 row,
          cuBLAS above), int8 and int4 (group 128), the bytes each must read and its time at the
          measured copy rate, and the relative error against the dequantize-then-matmul reference
+ decode  each decode path of kernels/wq_matmul.py (gemv, dequant, and the one it picks) per
+         projection at --decode-rows, against bf16's skinny kernel, in CUDA graphs over weight copies
+         that miss the L2 (as a decode step meets them); --sweep-gemv: the GEMV's tiles and splits
  engine  per --configs, in a process of its own (each sizes its KV pool from the whole GPU): ms per
          decode step at each --batches (prompts of 128 tokens, the median interval between steps
          once every request decodes; CUDA graphs and the lookahead as served), the weight bytes a
@@ -84,6 +87,95 @@ def bench_kernels(ceilings: dict, rows_list: list[int], sweep: bool) -> dict:
     return out
 
 
+def graph_us(calls: list) -> float:
+    """Median µs a call of ``calls`` (one per weight copy, together several times the L2), replayed
+    from one CUDA graph as the engine's decode step runs them."""
+    for call in calls:
+        call()  # compiles (and tunes) outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for call in calls:
+            call()
+    graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(9):
+        start.record()
+        for _ in range(4):
+            graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 4 / len(calls) * 1e3)
+    return sorted(times)[len(times) // 2]
+
+
+def bench_decode(ceilings: dict, rows_list: list[int], sweep: bool) -> dict:
+    """Each decode path (kernels/wq_matmul.py) per projection and row count, timed in CUDA graphs
+    over enough weight copies to miss the L2; with ``sweep`` the GEMV's tiles and splits at 1 row."""
+    from kernels.wq_matmul import GEMV_MAX_ROWS, GEMV_SPLITS, decode_path, wq_matmul
+    from kernels.wquant import quantize
+    from worker.models.parallel_layers import linear
+
+    dev = torch.device("cuda")
+    bw = ceilings["copy_bandwidth_Bps"]
+    out = {}
+    tiles = [(16, 16, 4), (32, 8, 4), (32, 16, 4), (64, 8, 4), (64, 16, 4), (64, 32, 4), (128, 8, 4), (128, 16, 8)]
+    for name, (n, k) in SHAPES.items():
+        w = torch.randn(n, k, device=dev, dtype=torch.bfloat16) * 0.02
+        formats = {"bf16": [w] + [w.clone() for _ in range(max(2, -(-256 * 2**20 // (n * k * 2))) - 1)]}
+        for bits in ((8,) if name == "lm_head" else (8, 4)):
+            q = quantize(w, bits, 128)
+            q.scales, q.biases = q.scales.bfloat16(), None if q.biases is None else q.biases.bfloat16()
+            cp = max(2, -(-256 * 2**20 // q.nbytes()))
+            formats[f"int{bits}"] = [q] + [type(q)(q.qweight.clone(), q.scales.clone(),
+                                                 None if q.biases is None else q.biases.clone(), bits, 128)
+                                           for _ in range(cp - 1)]
+        for rows in rows_list:
+            x = torch.randn(rows, k, device=dev, dtype=torch.bfloat16)
+            for fmt, ws in formats.items():
+                nbytes = ws[0].numel() * 2 if fmt == "bf16" else ws[0].nbytes()
+                if fmt == "bf16":
+                    paths = {"skinny": [lambda w=w: linear(x, w) for w in ws]}
+                else:
+                    ref = x.float() @ ws[0].dequantize().t()
+                    paths = {}
+                    for p in (["gemv"] if rows <= GEMV_MAX_ROWS else []) + ["dequant"]:
+                        err = ((wq_matmul(x, ws[0], path=p).float() - ref).norm() / ref.norm()).item()
+                        paths[p] = [lambda w=w, p=p: wq_matmul(x, w, path=p) for w in ws]
+                        out[f"{name}/{rows}/{fmt}/{p}/rel_err"] = err
+                    paths["chosen"] = [lambda w=w: wq_matmul(x, w) for w in ws]
+                    out[f"{name}/{rows}/{fmt}/chosen/path"] = decode_path(ws[0], rows, x.dtype)
+                for p, calls in paths.items():
+                    us = graph_us(calls)
+                    out[f"{name}/{rows}/{fmt}/{p}"] = {"us": us, "bytes": nbytes, "floor_us": nbytes / bw * 1e6}
+                    print(f"{name:<13}{rows:>4} {fmt:<5}{p:<8}{us:>9.1f} us  floor {nbytes / bw * 1e6:>7.1f} us  "
+                          f"{nbytes / us / 1e6:>6.2f} TB/s", flush=True)
+                if sweep and fmt != "bf16" and rows == 1:
+                    best = None
+                    for bn, kw, warps in tiles:
+                        for splits in GEMV_SPLITS:
+                            if (n + bn - 1) // bn * splits > 2048:
+                                continue
+                            cfg = dict(BLOCK_N=bn, BLOCK_KW=kw, SPLITS=splits, num_warps=warps)
+                            try:
+                                got = wq_matmul(x, ws[0], config=cfg, path="gemv").float()
+                                err = ((got - ref).norm() / ref.norm()).item()
+                                us = graph_us([lambda w=w: wq_matmul(x, w, config=cfg, path="gemv") for w in ws])
+                            except Exception as exc:  # noqa: BLE001 - a tile that does not compile
+                                print(f"  sweep {cfg}: {type(exc).__name__} {exc}"[:200], flush=True)
+                                continue
+                            out[f"{name}/{rows}/{fmt}/gemv-sweep/{bn}-{kw}-{warps}-{splits}"] = {"us": us, "rel_err": err}
+                            if err > 2e-2:
+                                print(f"  sweep {cfg}: rel err {err:.1e}", flush=True)
+                            if best is None or us < best[0]:
+                                best = (us, cfg)
+                    print(f"  sweep {name} {fmt}: best {best[0]:.1f} us at {best[1]}", flush=True)
+        del w, formats
+        torch.cuda.empty_cache()
+    return out
+
+
 def decode_step_ms(engine, batch: int, vocab: int, rng: random.Random, new: int = 48) -> float:
     from worker.engine.sampling_params import SamplingParams
 
@@ -143,7 +235,9 @@ def run_engine(quantization: str, args) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--configs", nargs="+", default=["none", "int8", "int4"])
-    ap.add_argument("--parts", nargs="+", choices=["kernels", "engine"], default=["kernels", "engine"])
+    ap.add_argument("--parts", nargs="+", choices=["kernels", "decode", "engine"], default=["kernels", "engine"])
+    ap.add_argument("--decode-rows", type=int, nargs="+", default=[1, 2, 4, 8, 16])
+    ap.add_argument("--sweep-gemv", action="store_true")
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 16, 64])
     ap.add_argument("--kernel-rows", type=int, nargs="+", default=[1, 8, 16, 64, 512])
     ap.add_argument("--sweep-prefill", action="store_true")
@@ -157,6 +251,14 @@ def main() -> None:
     if "kernels" in args.parts:
         res["ceilings"] = measure_ceilings(torch.device("cuda"))
         res["kernels"] = bench_kernels(res["ceilings"], args.kernel_rows, args.sweep_prefill)
+        torch.cuda.empty_cache()
+    if "decode" in args.parts:
+        res.setdefault("ceilings", measure_ceilings(torch.device("cuda")))
+        try:
+            res["decode"] = bench_decode(res["ceilings"], args.decode_rows, args.sweep_gemv)
+        finally:
+            if args.out:
+                Path(args.out).write_text(json.dumps(res, indent=1))
         torch.cuda.empty_cache()
     if "engine" in args.parts:
         res["engine"] = {}

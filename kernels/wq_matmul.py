@@ -1,18 +1,31 @@
-"""``x @ W.T (+ bias)`` with W stored packed (kernels/wquant.py): W8A16 and W4A16 in one kernel.
+"""``x @ W.T (+ bias)`` with W stored packed (kernels/wquant.py): W8A16 and W4A16.
 
-Each program owns a BLOCK_M x BLOCK_N tile of the output and walks K: it loads BLOCK_N rows of
-packed weight (BLOCK_K bytes for int8, BLOCK_K / 2 for int4), unpacks and scales them in
-registers (q * s + b, a group's s and b shared by GROUP columns), and feeds the float tile to a
-tensor-core dot with x's tile. The weight is read once and never written out dense.
-
-Two regimes:
-- decode, 1 to 16 rows (BLOCK_M 16): each packed weight read once, the tile tuned per (N, K,
-  format) at first use (the engine's warm-up and CUDA-graph capture, before serving);
+Three regimes by rows of x:
+- 1 row (GEMV_ROWS): a GEMV on the CUDA cores, no dot. The packed weight is read as int32 words
+  (8 nibbles or 4 bytes each); each weight becomes a float without an int-to-float conversion: at
+  most one shift of the word puts it in a float's mantissa and one AND-OR (AND-XOR for int8's
+  sign) sets 1.0's exponent, f = 1 + q 2^-7 or 2^-11 (int4) or 1 + (q + 128) 2^-8 (int8). Per
+  element of a [BLOCK_N, words] tile the products with x (loaded in the matching column order)
+  add up in fp32 registers across the K loop, times the group's scale once per word; the constant
+  parts of f and the int4 bias come back per group and row from sums of x:
+  sum x (q s + b) = s sum x q + b sum x. Products are exact for 16-bit x; the sums lose ~2^-16 to
+  the constant parts, so float32 x stays on the dequant kernel. Few output blocks split K
+  (SPLITS): the splits add into an fp32 workspace and the last one writes the output and zeroes
+  it again, so no extra launch, and nothing allocated per call (CUDA graphs).
+- 2 to 16 rows (DECODE_MAX_ROWS): each program owns a BLOCK_M x BLOCK_N tile and walks K,
+  unpacking and scaling the weight tile (q * s + b) in registers into a tensor-core dot with x's
+  tile ("dequant"). The weight is read once and never written out dense.
 - more rows: the weight dequantized in one pass to a transient copy in x's dtype, then cuBLAS.
-  Dequantizing in this kernel's main loop measured 2.5-3x cuBLAS's time at 512-2048 rows and 2-6x
-  at 64 on an H200 (benchmarks/quant_gpu.py --sweep-prefill, docs/BENCHMARKS.md): the loop is
+  Dequantizing in the dot kernel's main loop measured 2.5-3x cuBLAS's time at 512-2048 rows and
+  2-6x at 64 on an H200 (benchmarks/quant_gpu.py --sweep-prefill, docs/BENCHMARKS.md): the loop is
   bound by the unpacking instructions, not by bytes. The copy costs a write and a read of the
   dense weight per call, which caps what int4 saves on large batches.
+
+Tiles (and the GEMV's split) are tuned per (N, K, format, rows) at first use: the engine's
+warm-up, before CUDA-graph capture. Measured on an H200 (docs/BENCHMARKS.md): the GEMV reads
+int4 at ~1.2 TB/s and int8 at ~2.2 TB/s, bound by instructions per weight rather than bytes, so
+it beats bf16 at 1 row by less than the bytes would say; the dequant kernel and a tensor-core
+variant fed by the same mantissa trick were slower than the GEMV at 1 row.
 """
 
 from __future__ import annotations
@@ -73,6 +86,190 @@ def _wq_matmul_kernel(
         acc += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
     out_ptrs = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :]
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
+
+
+@jit
+def _int4_row(xr, cols, k_mask, f0, f1, f2, f3, f4, f5, f6, f7):
+    """One row of x against a tile of int4 words: per word sum_i x_i f_i, with f_i = 1 + q_i / 128
+    (even columns) or 1 + q_i / 2048 (odd); and per word the row's sum over its columns, plain and
+    weighted 1 / 16 (even / odd), which turn the first back into 128 sum_i x_i q_i."""
+    x0 = tl.load(xr + cols, mask=k_mask, other=0.0).to(tl.float32)
+    x1 = tl.load(xr + cols + 1, mask=k_mask, other=0.0).to(tl.float32)
+    x2 = tl.load(xr + cols + 2, mask=k_mask, other=0.0).to(tl.float32)
+    x3 = tl.load(xr + cols + 3, mask=k_mask, other=0.0).to(tl.float32)
+    x4 = tl.load(xr + cols + 4, mask=k_mask, other=0.0).to(tl.float32)
+    x5 = tl.load(xr + cols + 5, mask=k_mask, other=0.0).to(tl.float32)
+    x6 = tl.load(xr + cols + 6, mask=k_mask, other=0.0).to(tl.float32)
+    x7 = tl.load(xr + cols + 7, mask=k_mask, other=0.0).to(tl.float32)
+    even = x0[None, :] * f0 + x2[None, :] * f2 + x4[None, :] * f4 + x6[None, :] * f6
+    odd = x1[None, :] * f1 + x3[None, :] * f3 + x5[None, :] * f5 + x7[None, :] * f7
+    xe = x0 + x2 + x4 + x6
+    xo = x1 + x3 + x5 + x7
+    return even + 16.0 * odd, xe + xo, xe + 16.0 * xo
+
+
+@jit
+def _int8_row(xr, cols, k_mask, f0, f1, f2, f3):
+    """One row of x against a tile of int8 words: per word sum_b x_b f_b, with f_b = 1 + (q_b + 128)
+    / 256, and the row's sum over the word's columns."""
+    x0 = tl.load(xr + cols, mask=k_mask, other=0.0).to(tl.float32)
+    x1 = tl.load(xr + cols + 1, mask=k_mask, other=0.0).to(tl.float32)
+    x2 = tl.load(xr + cols + 2, mask=k_mask, other=0.0).to(tl.float32)
+    x3 = tl.load(xr + cols + 3, mask=k_mask, other=0.0).to(tl.float32)
+    t = x0[None, :] * f0 + x1[None, :] * f1 + x2[None, :] * f2 + x3[None, :] * f3
+    return t, x0 + x1 + x2 + x3
+
+
+@jit
+def _gemv_accumulate(acc, corr, t, xs, ys, s, b, BITS: tl.constexpr, NG: tl.constexpr, BLOCK_N: tl.constexpr,
+                     BLOCK_KW: tl.constexpr):
+    """acc += s' t per word (s' its group's scale times 128 or 256: the 1 / 128 or 1 / 256 in f);
+    corr += the group terms that take the constant parts of f out again (and add b sum(x))."""
+    xg = tl.sum(tl.reshape(xs, [NG, BLOCK_KW // NG]), axis=1)
+    if BITS == 4:  # sum x q = 128 (t - ys) per group
+        yg = tl.sum(tl.reshape(ys, [NG, BLOCK_KW // NG]), axis=1)
+        corr += tl.sum(b * xg[None, :] - 128.0 * s * yg[None, :], axis=1)
+        s = s * 128.0
+    else:  # sum x q = 256 t - 384 sum x per group
+        corr -= tl.sum(384.0 * s * xg[None, :], axis=1)
+        s = s * 256.0
+    if NG == 1:
+        acc += t * s
+    else:
+        acc += tl.reshape(tl.reshape(t, [BLOCK_N, NG, BLOCK_KW // NG]) * s[:, :, None], [BLOCK_N, BLOCK_KW])
+    return acc, corr
+
+
+@jit
+def _gemv_row(acc, corr, xr, cols, k_mask, w, s, b, BITS: tl.constexpr, NG: tl.constexpr, BLOCK_N: tl.constexpr,
+              BLOCK_KW: tl.constexpr):
+    if BITS == 4:
+        # column 8j + i is nibble i of word j (bits 4i..4i+3); one shift of the word at most puts it
+        # in a float's mantissa at bit 16 (even i) or 12 (odd i), one AND-OR makes 1 + q * 2^(p - 23)
+        ONE: tl.constexpr = 0x3F800000
+        M12: tl.constexpr = 0xF << 12
+        M16: tl.constexpr = 0xF << 16
+        sl = w << 8
+        sr = w >> 8
+        rot = (w << 16) | (w >> 16)
+        t, xs, ys = _int4_row(xr, cols, k_mask, ((rot & M16) | ONE).to(tl.float32, bitcast=True),
+                              ((sl & M12) | ONE).to(tl.float32, bitcast=True),
+                              ((sl & M16) | ONE).to(tl.float32, bitcast=True),
+                              ((w & M12) | ONE).to(tl.float32, bitcast=True),
+                              ((w & M16) | ONE).to(tl.float32, bitcast=True),
+                              ((sr & M12) | ONE).to(tl.float32, bitcast=True),
+                              ((sr & M16) | ONE).to(tl.float32, bitcast=True),
+                              ((rot & M12) | ONE).to(tl.float32, bitcast=True))
+    else:
+        # column 4j + b is byte b; shifted to bits 15..22 (the mantissa's top), its top bit flipped
+        # (q + 128) and 1.0's exponent set by one AND-XOR: f = 1 + (q + 128) / 256
+        EXP: tl.constexpr = 0x3FC00000
+        BYTE: tl.constexpr = 0xFF << 15
+        t, xs = _int8_row(xr, cols, k_mask, (((w << 15) & BYTE) ^ EXP).to(tl.float32, bitcast=True),
+                          (((w << 7) & BYTE) ^ EXP).to(tl.float32, bitcast=True),
+                          (((w >> 1) & BYTE) ^ EXP).to(tl.float32, bitcast=True),
+                          (((w >> 9) & BYTE) ^ EXP).to(tl.float32, bitcast=True))
+        ys = xs
+    return _gemv_accumulate(acc, corr, t, xs, ys, s, b, BITS, NG, BLOCK_N, BLOCK_KW)
+
+
+@jit
+def _gemv_store(acc, corr, row, offs_n, n_mask, bias_ptr, out_ptr, ws_ptr, N, stride_om, HAS_BIAS: tl.constexpr,
+                SPLIT: tl.constexpr):
+    """A row's share: stored (one split), or added into the fp32 workspace row."""
+    part = tl.sum(acc, axis=1) + corr
+    if not SPLIT:
+        if HAS_BIAS:
+            part += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+        tl.store(out_ptr + row * stride_om + offs_n, part.to(out_ptr.dtype.element_ty), mask=n_mask)
+    else:
+        tl.atomic_add(ws_ptr + row * N + offs_n, part, mask=n_mask, sem="relaxed")
+
+
+@jit
+def _gemv_fixup(row, offs_n, n_mask, bias_ptr, out_ptr, ws_ptr, N, stride_om, HAS_BIAS: tl.constexpr):
+    """The last split of a block: the summed row out of the workspace, which it leaves zero."""
+    bits = tl.atomic_xchg((ws_ptr + row * N + offs_n).to(tl.pointer_type(tl.int32)), tl.zeros_like(offs_n),
+                          mask=n_mask, sem="relaxed")  # as int32: the interpreter swaps no floats
+    part = bits.to(tl.float32, bitcast=True)
+    if HAS_BIAS:
+        part += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row * stride_om + offs_n, part.to(out_ptr.dtype.element_ty), mask=n_mask)
+
+
+@jit(do_not_specialize=("SPLITS",))
+def _wq_gemv_kernel(
+    x_ptr, q_ptr, s_ptr, b_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr, N, K, stride_xm, stride_qn, stride_sn,
+    stride_om, SPLITS, BITS: tl.constexpr, GROUP: tl.constexpr, HAS_BIAS: tl.constexpr, M: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_KW: tl.constexpr, SPLIT: tl.constexpr, USE_PDL: tl.constexpr,
+):
+    """1 to 4 rows on the CUDA cores (module docstring). q_ptr: the packed weight as int32 words
+    (stride_qn in words). Program (i, j) owns BLOCK_N outputs over split j of K's tiles; with
+    SPLIT (more than one split) the splits add into ws (fp32 [M, N], zero) and the last to count
+    in at cnt[i] writes the output and leaves ws and cnt zero again: no launch or allocation a call."""
+    wait_for_producer(USE_PDL)
+    PER: tl.constexpr = 8 if BITS == 4 else 4  # weights a word
+    BLOCK_K: tl.constexpr = BLOCK_KW * PER
+    NG: tl.constexpr = BLOCK_K // GROUP if BLOCK_K > GROUP else 1  # groups a tile
+    pid_n = tl.program_id(0)
+    tiles = tl.cdiv(K, BLOCK_K)
+    per_split = tl.cdiv(tiles, SPLITS)
+    t0 = tl.program_id(1) * per_split
+    t1 = tl.minimum(t0 + per_split, tiles)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_w = tl.arange(0, BLOCK_KW)
+    offs_g = tl.arange(0, NG)
+    n_mask = offs_n < N
+    s_ptrs = offs_n[:, None].to(tl.int64) * stride_sn + offs_g[None, :]
+    q_ptrs = q_ptr + offs_n[:, None].to(tl.int64) * stride_qn + offs_w[None, :]
+    kw_total = K // PER
+    acc0 = tl.zeros([BLOCK_N, BLOCK_KW], tl.float32)
+    acc1 = tl.zeros([BLOCK_N, BLOCK_KW], tl.float32)
+    acc2 = tl.zeros([BLOCK_N, BLOCK_KW], tl.float32)
+    acc3 = tl.zeros([BLOCK_N, BLOCK_KW], tl.float32)
+    corr0 = tl.zeros([BLOCK_N], tl.float32)
+    corr1 = tl.zeros([BLOCK_N], tl.float32)
+    corr2 = tl.zeros([BLOCK_N], tl.float32)
+    corr3 = tl.zeros([BLOCK_N], tl.float32)
+    w = tl.load(q_ptrs + t0 * BLOCK_KW, mask=n_mask[:, None] & (t0 * BLOCK_KW + offs_w < kw_total)[None, :] & (t0 < t1),
+                other=0).to(tl.uint32, bitcast=True)
+    for t in range(t0, t1):
+        # the next tile's words in flight while this one is summed
+        nxt = (t + 1) * BLOCK_KW + offs_w
+        w_next = tl.load(q_ptrs + (t + 1) * BLOCK_KW, mask=n_mask[:, None] & (nxt < kw_total)[None, :] & (t + 1 < t1),
+                         other=0).to(tl.uint32, bitcast=True)
+        kw = t * BLOCK_KW + offs_w
+        k_mask = kw < kw_total
+        cols = kw * PER
+        g_mask = n_mask[:, None] & (t * BLOCK_K // GROUP + offs_g < K // GROUP)[None, :]
+        s = tl.load(s_ptr + s_ptrs + t * BLOCK_K // GROUP, mask=g_mask, other=0.0).to(tl.float32)
+        b = s
+        if BITS == 4:
+            b = tl.load(b_ptr + s_ptrs + t * BLOCK_K // GROUP, mask=g_mask, other=0.0).to(tl.float32)
+        acc0, corr0 = _gemv_row(acc0, corr0, x_ptr, cols, k_mask, w, s, b, BITS, NG, BLOCK_N, BLOCK_KW)
+        if M > 1:
+            acc1, corr1 = _gemv_row(acc1, corr1, x_ptr + stride_xm, cols, k_mask, w, s, b, BITS, NG, BLOCK_N,
+                                    BLOCK_KW)
+        if M > 2:
+            acc2, corr2 = _gemv_row(acc2, corr2, x_ptr + 2 * stride_xm, cols, k_mask, w, s, b, BITS, NG, BLOCK_N,
+                                    BLOCK_KW)
+        if M > 3:
+            acc3, corr3 = _gemv_row(acc3, corr3, x_ptr + 3 * stride_xm, cols, k_mask, w, s, b, BITS, NG, BLOCK_N,
+                                    BLOCK_KW)
+        w = w_next
+    _gemv_store(acc0, corr0, 0, offs_n, n_mask, bias_ptr, out_ptr, ws_ptr, N, stride_om, HAS_BIAS, SPLIT)
+    if M > 1:
+        _gemv_store(acc1, corr1, 1, offs_n, n_mask, bias_ptr, out_ptr, ws_ptr, N, stride_om, HAS_BIAS, SPLIT)
+    if M > 2:
+        _gemv_store(acc2, corr2, 2, offs_n, n_mask, bias_ptr, out_ptr, ws_ptr, N, stride_om, HAS_BIAS, SPLIT)
+    if M > 3:
+        _gemv_store(acc3, corr3, 3, offs_n, n_mask, bias_ptr, out_ptr, ws_ptr, N, stride_om, HAS_BIAS, SPLIT)
+    if SPLIT:
+        tl.debug_barrier()  # every thread's adds issued before the count (released by the atomic)
+        if tl.atomic_add(cnt_ptr + pid_n, 1, sem="acq_rel") == SPLITS - 1:
+            for row in tl.static_range(M):
+                _gemv_fixup(row, offs_n, n_mask, bias_ptr, out_ptr, ws_ptr, N, stride_om, HAS_BIAS)
+            tl.atomic_xchg(cnt_ptr + pid_n, 0, sem="relaxed")
 
 
 @jit
@@ -142,10 +339,85 @@ def _prune(configs, named_args, **kwargs):
 _tuned = (triton.autotune(configs=_decode_configs(), key=["N", "K", "BITS", "GROUP", "HAS_BIAS"],
                           prune_configs_by={"early_config_prune": _prune})(_wq_matmul_kernel) if triton else None)
 
+
+GEMV_MAX_ROWS = 4  # the GEMV kernel's limit
+GEMV_ROWS = 1  # what it is chosen for: at 2 rows the dequant kernel measured faster on gate_up (H200)
+GEMV_SPLITS = (1, 2, 4, 8, 16)
+
+
+def _gemv_configs() -> list:
+    # (BLOCK_N, words a tile, warps); the split of K is tried per shape (GEMV_SPLITS)
+    # the best at 1 row on an H200 over 8 tiles x 5 splits (docs/BENCHMARKS.md), and one wider
+    shapes = [(32, 16, 4), (64, 16, 4), (64, 32, 4), (64, 64, 4), (128, 8, 4)]
+    return [triton.Config({"BLOCK_N": n, "BLOCK_KW": kw, "SPLITS": s}, num_warps=w, num_stages=1)
+            for n, kw, w in shapes for s in GEMV_SPLITS]
+
+
+def _gemv_fits(group: int, k: int, bits: int, block_kw: int) -> bool:
+    return group % (8 if bits == 4 else 4) == 0 and _fits(group, k, block_kw * (8 if bits == 4 else 4))
+
+
+def _gemv_prune(configs, named_args, **kwargs):
+    group, k, n, bits = kwargs["GROUP"], named_args["K"], named_args["N"], kwargs["BITS"]
+    per = 8 if bits == 4 else 4
+    kept = []
+    for c in configs:
+        tiles = -(-k // (c.kwargs["BLOCK_KW"] * per))
+        programs = -(-n // c.kwargs["BLOCK_N"]) * c.kwargs["SPLITS"]
+        # a split of at least 2 tiles, and splits only while the blocks are few (~8 waves on 132 SMs)
+        split_ok = c.kwargs["SPLITS"] == 1 or (tiles >= 2 * c.kwargs["SPLITS"] and programs <= 1056)
+        if _gemv_fits(group, k, bits, c.kwargs["BLOCK_KW"]) and split_ok:
+            kept.append(c)
+    return kept or configs[:1]
+
+
+_gemv_tuned = (triton.autotune(configs=_gemv_configs(), key=["N", "K", "BITS", "GROUP", "HAS_BIAS", "M"],
+                               prune_configs_by={"early_config_prune": _gemv_prune}, warmup=5, rep=25)(
+    triton.heuristics({"SPLIT": lambda args: args["SPLITS"] > 1})(_wq_gemv_kernel)) if triton else None)
+
+_workspaces: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+_retired: list[torch.Tensor] = []  # replaced workspaces: a captured graph may still point at one
+
+
+def _workspace(device: torch.device, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The split GEMV's fp32 sums [GEMV_MAX_ROWS, n] and block counters, zero between calls; grown
+    (never shrunk or freed) at warm-up, before any CUDA graph is captured."""
+    ws, cnt = _workspaces.get(device, (None, None))
+    if ws is None or ws.numel() < GEMV_MAX_ROWS * n or cnt.numel() < -(-n // 16):
+        assert device.type != "cuda" or not torch.cuda.is_current_stream_capturing(), \
+            "wq_matmul: a GEMV shape first met inside CUDA-graph capture (warm up first)"
+        if ws is not None:
+            _retired.extend((ws, cnt))
+        size = max(n, 0 if ws is None else ws.numel() // GEMV_MAX_ROWS)
+        ws = torch.zeros(GEMV_MAX_ROWS * size, dtype=torch.float32, device=device)
+        cnt = torch.zeros(-(-size // 16), dtype=torch.int32, device=device)
+        _workspaces[device] = (ws, cnt)
+    return ws, cnt
+
+
+def _gemv_words(weight: QuantizedWeight, k: int) -> torch.Tensor | None:
+    """The packed weight as int32 words, or None where the GEMV cannot take it."""
+    q = weight.qweight
+    if q.shape[1] % 4 or q.stride(0) % 4 or q.storage_offset() % 4:
+        return None
+    if not any(_gemv_fits(weight.group_size, k, weight.bits, kw) for kw in (4, 8, 16, 32)):
+        return None
+    return q.view(torch.int32)
+
+
+def decode_path(weight: QuantizedWeight, rows: int, dtype: torch.dtype) -> str:
+    """Which kernel takes ``rows`` (<= DECODE_MAX_ROWS) rows of x: "gemv" or "dequant" (module docstring)."""
+    # float32 activations stay on the tensor cores: the GEMV's magic numbers cost them ~2^-16
+    if rows <= GEMV_ROWS and dtype != torch.float32 and _gemv_words(weight, weight.shape[1]) is not None:
+        return "gemv"
+    return "dequant"
+
+
 def wq_matmul(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None = None,
-              config: tuple[int, int, int, int, int] | None = None) -> torch.Tensor:
-    """``F.linear(x, weight.dequantize(x.dtype), bias)``: x [M, K] -> [M, N]. ``config``
-    (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages) overrides the choice (sweeps)."""
+              config: dict | None = None, path: str | None = None) -> torch.Tensor:
+    """``F.linear(x, weight.dequantize(x.dtype), bias)``: x [M, K] -> [M, N]. ``path`` ("gemv",
+    "dequant") and ``config`` (the kernel's tile: BLOCK_N and BLOCK_KW, SPLITS for the GEMV;
+    BLOCK_M, BLOCK_N, BLOCK_K otherwise; num_warps, num_stages) override the choice (sweeps, tests)."""
     check_launchable(x, weight.qweight)
     m, k = x.shape
     n = weight.shape[0]
@@ -154,25 +426,46 @@ def wq_matmul(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | Non
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m == 0:
         return out
+    if path is None:
+        if m > DECODE_MAX_ROWS:
+            # more rows: cuBLAS on a transient dense copy (module docstring)
+            return torch.nn.functional.linear(x, dequantize(weight, x.dtype), bias)
+        path = decode_path(weight, m, x.dtype)
     g = weight.group_size
-    args = (x, weight.qweight, weight.scales, weight.scales if weight.biases is None else weight.biases,
-            weight.scales if bias is None else bias, out, m, n, k, x.stride(0), weight.qweight.stride(0),
+    biases = weight.scales if weight.biases is None else weight.biases
+    opts = dict(BITS=weight.bits, GROUP=g, HAS_BIAS=bias is not None, **pdl_launch(x.device))
+    bias_arg = weight.scales if bias is None else bias
+    if path == "gemv":
+        assert m <= GEMV_MAX_ROWS
+        words = _gemv_words(weight, k)
+        ws, cnt = _workspace(x.device, n)
+        args = (x, words, weight.scales, biases, bias_arg, out, ws, cnt, n, k, x.stride(0), words.stride(0),
+                weight.scales.stride(0), out.stride(0))
+        if config is None and interpreting():
+            kw = next(kw for kw in (8, 4, 16, 32) if _gemv_fits(g, k, weight.bits, kw))
+            config = dict(BLOCK_N=16, BLOCK_KW=kw, SPLITS=2 if k // (kw * (8 if weight.bits == 4 else 4)) >= 2 else 1)
+        if config is None:
+            _gemv_tuned[lambda meta: (triton.cdiv(n, meta["BLOCK_N"]), meta["SPLITS"])](*args, **opts, M=m)
+        else:
+            cfg = dict(config)
+            cfg.setdefault("SPLITS", 1)
+            _wq_gemv_kernel[(triton.cdiv(n, cfg["BLOCK_N"]), cfg["SPLITS"])](*args, **opts, M=m, SPLIT=cfg["SPLITS"] > 1,
+                                                                            **cfg)
+        return out
+    args = (x, weight.qweight, weight.scales, biases, bias_arg, out, m, n, k, x.stride(0), weight.qweight.stride(0),
             weight.scales.stride(0), out.stride(0))
-    opts = dict(BITS=weight.bits, GROUP=g, HAS_BIAS=bias is not None,
-                DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32", **pdl_launch(x.device))
-    if m > DECODE_MAX_ROWS and config is None:
-        # more rows: cuBLAS on a transient dense copy (module docstring)
-        return torch.nn.functional.linear(x, dequantize(weight, x.dtype), bias)
+    opts["DOT_PRECISION"] = "ieee" if x.dtype == torch.float32 else "tf32"
+    assert path == "dequant", path
     if config is not None:
-        bm, bn, bk, warps, stages = config
-        while not _fits(g, k, bk) and bk > 16:
-            bk //= 2
-        _wq_matmul_kernel[(triton.cdiv(n, bn), triton.cdiv(m, bm))](
-            *args, **opts, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages)
+        cfg = dict(config)
+        bm = cfg.pop("BLOCK_M", 16)
+        while not _fits(g, k, cfg["BLOCK_K"]) and cfg["BLOCK_K"] > 16:
+            cfg["BLOCK_K"] //= 2
+        _wq_matmul_kernel[(triton.cdiv(n, cfg["BLOCK_N"]), triton.cdiv(m, bm))](*args, **opts, BLOCK_M=bm, **cfg)
     elif interpreting():
         cfg = dict(INTERPRETER_CONFIG)
         cfg["BLOCK_K"] = min(cfg["BLOCK_K"], g) if g % cfg["BLOCK_K"] else cfg["BLOCK_K"]
-        _wq_matmul_kernel[(triton.cdiv(n, cfg["BLOCK_N"]), 1)](*args, **opts, BLOCK_M=16, **cfg)
+        _wq_matmul_kernel[(triton.cdiv(n, cfg["BLOCK_N"]), triton.cdiv(m, 16))](*args, **opts, BLOCK_M=16, **cfg)
     else:
-        _tuned[lambda meta: (triton.cdiv(n, meta["BLOCK_N"]), 1)](*args, **opts, BLOCK_M=16)
+        _tuned[lambda meta: (triton.cdiv(n, meta["BLOCK_N"]), triton.cdiv(m, 16))](*args, **opts, BLOCK_M=16)
     return out

@@ -94,8 +94,43 @@ def test_wq_matmul_matches_dequantize_then_linear(bits, group, k, rows, dtype, t
 def test_wq_matmul_with_a_sweeps_tile_of_many_rows(bits):
     qw = quantize(torch.randn(70, 256), bits, 64)
     x = torch.randn(40, 256)
-    got = wq_matmul(x, qw, config=(32, 32, 128, 4, 2))  # 2 row tiles; BLOCK_K 128 spans 2 groups
+    # 2 row tiles; BLOCK_K 128 spans 2 groups
+    got = wq_matmul(x, qw, config=dict(BLOCK_M=32, BLOCK_N=32, BLOCK_K=128, num_warps=4, num_stages=2),
+                    path="dequant")
     torch.testing.assert_close(got, x @ qw.dequantize().T, atol=1e-4, rtol=1e-5)
+
+
+def _reference(bits, group, k, rows, dtype, n=37):
+    qw = quantize(torch.randn(n, k), bits, group)
+    qw.scales = qw.scales.to(dtype)
+    qw.biases = None if qw.biases is None else qw.biases.to(dtype)
+    x = torch.randn(rows, k).to(dtype)
+    bias = torch.randn(n).to(dtype)
+    # the weight in float32, not rounded to dtype: the GEMV never rounds it
+    want = torch.nn.functional.linear(x.float(), qw.dequantize().float(), bias.float())
+    return qw, x, bias, want
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("group,k", [(16, 64), (32, 96), (128, 256), (96, 96), (32, 512)])
+@pytest.mark.parametrize("rows", [1, 2, 4])
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-4), (torch.float16, 2e-3)])
+def test_gemv_matches_the_reference(bits, group, k, rows, dtype, tol):
+    """The magic-number unpacking (nibbles and bytes ORed into a float's mantissa) and its per-group
+    corrections; k 512 runs several K tiles and splits them (the workspace and its counters)."""
+    qw, x, bias, want = _reference(bits, group, k, rows, dtype)
+    got = wq_matmul(x, qw, bias, path="gemv")
+    assert got.shape == (rows, 37) and got.dtype == dtype
+    torch.testing.assert_close(got.float(), want, atol=tol * k**0.5 * 4, rtol=tol)
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("kw,splits,bn", [(4, 4, 16), (8, 2, 32), (16, 1, 16)])  # a tile of 2 groups; splits
+def test_gemv_tiles_and_splits_agree(bits, kw, splits, bn):
+    qw, x, bias, want = _reference(bits, 32, 512, 3, torch.float32, n=45)
+    for _ in range(2):  # the second call finds the workspace and counters left zero by the first
+        got = wq_matmul(x, qw, bias, config=dict(BLOCK_N=bn, BLOCK_KW=kw, SPLITS=splits), path="gemv")
+        assert ((got - want).norm() / want.norm()).item() < 1e-4  # float32 x: the magic numbers' ~2^-16
 
 
 @pytest.mark.parametrize("bits", [4, 8])
