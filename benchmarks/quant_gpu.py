@@ -113,14 +113,13 @@ def graph_us(calls: list) -> float:
 def bench_decode(ceilings: dict, rows_list: list[int], sweep: bool) -> dict:
     """Each decode path (kernels/wq_matmul.py) per projection and row count, timed in CUDA graphs
     over enough weight copies to miss the L2; with ``sweep`` the GEMV's tiles and splits at 1 row."""
-    from kernels.wq_matmul import GEMV_MAX_ROWS, GEMV_SPLITS, decode_path, wq_matmul
+    from kernels.wq_matmul import GEMV_MAX_ROWS, GEMV_SPLITS, GEMV_TILES, decode_path, wq_matmul
     from kernels.wquant import quantize
     from worker.models.parallel_layers import linear
 
     dev = torch.device("cuda")
     bw = ceilings["copy_bandwidth_Bps"]
     out = {}
-    tiles = [(16, 16, 4), (32, 8, 4), (32, 16, 4), (64, 8, 4), (64, 16, 4), (64, 32, 4), (128, 8, 4), (128, 16, 8)]
     for name, (n, k) in SHAPES.items():
         w = torch.randn(n, k, device=dev, dtype=torch.bfloat16) * 0.02
         formats = {"bf16": [w] + [w.clone() for _ in range(max(2, -(-256 * 2**20 // (n * k * 2))) - 1)]}
@@ -153,7 +152,7 @@ def bench_decode(ceilings: dict, rows_list: list[int], sweep: bool) -> dict:
                           f"{nbytes / us / 1e6:>6.2f} TB/s", flush=True)
                 if sweep and fmt != "bf16" and rows == 1:
                     best = None
-                    for bn, kw, warps in tiles:
+                    for bn, kw, warps in GEMV_TILES[ws[0].bits]:
                         for splits in GEMV_SPLITS:
                             if (n + bn - 1) // bn * splits > 2048:
                                 continue

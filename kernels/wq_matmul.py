@@ -2,16 +2,16 @@
 
 Three regimes by rows of x:
 - 1 row (GEMV_ROWS): a GEMV on the CUDA cores, no dot. The packed weight is read as int32 words
-  (8 nibbles or 4 bytes each); each weight becomes a float without an int-to-float conversion: at
-  most one shift of the word puts it in a float's mantissa and one AND-OR (AND-XOR for int8's
-  sign) sets 1.0's exponent, f = 1 + q 2^-7 or 2^-11 (int4) or 1 + (q + 128) 2^-8 (int8). Per
-  element of a [BLOCK_N, words] tile the products with x (loaded in the matching column order)
-  add up in fp32 registers across the K loop, times the group's scale once per word; the constant
-  parts of f and the int4 bias come back per group and row from sums of x:
-  sum x (q s + b) = s sum x q + b sum x. Products are exact for 16-bit x; the sums lose ~2^-16 to
-  the constant parts, so float32 x stays on the dequant kernel. Few output blocks split K
-  (SPLITS): the splits add into an fp32 workspace and the last one writes the output and zeroes
-  it again, so no extra launch, and nothing allocated per call (CUDA graphs).
+  (8 nibbles or 4 bytes each), 4 words of 8 rows a thread; a weight becomes a float without any
+  conversion: an integer n < 2^24 read as a float32 is n 2^-149 exactly, so a nibble or byte
+  ANDed out in place at bit p is the float q 2^(p - 149) (one AND a weight; int8's sign flipped
+  to q + 128 on the way; the top byte shifted down), and x's column is prescaled by the power of
+  two that makes every product x q 2^-64: exact, normal, and with no constant part to take out.
+  Per word the FMA chain's sum is scaled once by its group's scale, plus b sum(x) for int4's bias
+  (-128 s sum(x) for int8's offset), into per-element fp32 sums reduced once at the end. x is
+  loaded once a tile and reused over the thread's 8 rows. Few output blocks split K (SPLITS): the
+  splits add into an fp32 workspace and the last one writes the output and zeroes it again, so
+  no extra launch, and nothing allocated per call (CUDA graphs).
 - 2 to 16 rows (DECODE_MAX_ROWS): each program owns a BLOCK_M x BLOCK_N tile and walks K,
   unpacking and scaling the weight tile (q * s + b) in registers into a tensor-core dot with x's
   tile ("dequant"). The weight is read once and never written out dense.
@@ -23,9 +23,10 @@ Three regimes by rows of x:
 
 Tiles (and the GEMV's split) are tuned per (N, K, format, rows) at first use: the engine's
 warm-up, before CUDA-graph capture. Measured on an H200 (docs/BENCHMARKS.md): the GEMV reads
-int4 at ~1.2 TB/s and int8 at ~2.2 TB/s, bound by instructions per weight rather than bytes, so
-it beats bf16 at 1 row by less than the bytes would say; the dequant kernel and a tensor-core
-variant fed by the same mantissa trick were slower than the GEMV at 1 row.
+int4 at 1.1-1.7 TB/s and int8 at 2.0-2.8 TB/s (about 3.2 SASS instructions a weight for int4 at
+~30% of the issue rate: one warp or two a scheduler, 180-245 registers a thread, so latency
+rather than instructions or bytes), well short of the 4 TB/s copy rate; the dequant kernel and a
+tensor-core variant fed by a mantissa trick were slower than the GEMV at 1 row.
 """
 
 from __future__ import annotations
@@ -88,96 +89,65 @@ def _wq_matmul_kernel(
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
 
 
-@jit
-def _int4_row(xr, cols, k_mask, f0, f1, f2, f3, f4, f5, f6, f7):
-    """One row of x against a tile of int4 words: per word sum_i x_i f_i, with f_i = 1 + q_i / 128
-    (even columns) or 1 + q_i / 2048 (odd); and per word the row's sum over its columns, plain and
-    weighted 1 / 16 (even / odd), which turn the first back into 128 sum_i x_i q_i."""
-    x0 = tl.load(xr + cols, mask=k_mask, other=0.0).to(tl.float32)
-    x1 = tl.load(xr + cols + 1, mask=k_mask, other=0.0).to(tl.float32)
-    x2 = tl.load(xr + cols + 2, mask=k_mask, other=0.0).to(tl.float32)
-    x3 = tl.load(xr + cols + 3, mask=k_mask, other=0.0).to(tl.float32)
-    x4 = tl.load(xr + cols + 4, mask=k_mask, other=0.0).to(tl.float32)
-    x5 = tl.load(xr + cols + 5, mask=k_mask, other=0.0).to(tl.float32)
-    x6 = tl.load(xr + cols + 6, mask=k_mask, other=0.0).to(tl.float32)
-    x7 = tl.load(xr + cols + 7, mask=k_mask, other=0.0).to(tl.float32)
-    even = x0[None, :] * f0 + x2[None, :] * f2 + x4[None, :] * f4 + x6[None, :] * f6
-    odd = x1[None, :] * f1 + x3[None, :] * f3 + x5[None, :] * f5 + x7[None, :] * f7
-    xe = x0 + x2 + x4 + x6
-    xo = x1 + x3 + x5 + x7
-    return even + 16.0 * odd, xe + xo, xe + 16.0 * xo
+# The GEMV's unpacking: an integer below 2^24 read as a float32 is n 2^-149 exactly (denormals,
+# then exponent 1 continues at the same spacing), so a nibble or byte ANDed out in place at bit p
+# of a word is already the float q 2^(p - 149). Each column of x is prescaled by the power of two
+# that makes its product x q 2^P: normal, exact, and with no constant to take out again.
+# the products' common exponent; x's prescale is 2^(P + 149 - p) <= 2^85, so |x| < 2^43
+_P = tl.constexpr(-64) if tl else -64
 
 
 @jit
-def _int8_row(xr, cols, k_mask, f0, f1, f2, f3):
-    """One row of x against a tile of int8 words: per word sum_b x_b f_b, with f_b = 1 + (q_b + 128)
-    / 256, and the row's sum over the word's columns."""
-    x0 = tl.load(xr + cols, mask=k_mask, other=0.0).to(tl.float32)
-    x1 = tl.load(xr + cols + 1, mask=k_mask, other=0.0).to(tl.float32)
-    x2 = tl.load(xr + cols + 2, mask=k_mask, other=0.0).to(tl.float32)
-    x3 = tl.load(xr + cols + 3, mask=k_mask, other=0.0).to(tl.float32)
-    t = x0[None, :] * f0 + x1[None, :] * f1 + x2[None, :] * f2 + x3[None, :] * f3
-    return t, x0 + x1 + x2 + x3
+def _gemv_x(xr, cols, i: tl.constexpr):
+    return tl.load(xr + cols + i).to(tl.float32)
 
 
 @jit
-def _gemv_accumulate(acc, corr, t, xs, ys, s, b, BITS: tl.constexpr, NG: tl.constexpr, BLOCK_N: tl.constexpr,
-                     BLOCK_KW: tl.constexpr):
-    """acc += s' t per word (s' its group's scale times 128 or 256: the 1 / 128 or 1 / 256 in f);
-    corr += the group terms that take the constant parts of f out again (and add b sum(x))."""
-    xg = tl.sum(tl.reshape(xs, [NG, BLOCK_KW // NG]), axis=1)
-    if BITS == 4:  # sum x q = 128 (t - ys) per group
-        yg = tl.sum(tl.reshape(ys, [NG, BLOCK_KW // NG]), axis=1)
-        corr += tl.sum(b * xg[None, :] - 128.0 * s * yg[None, :], axis=1)
-        s = s * 128.0
-    else:  # sum x q = 256 t - 384 sum x per group
-        corr -= tl.sum(384.0 * s * xg[None, :], axis=1)
-        s = s * 256.0
-    if NG == 1:
-        acc += t * s
-    else:
-        acc += tl.reshape(tl.reshape(t, [BLOCK_N, NG, BLOCK_KW // NG]) * s[:, :, None], [BLOCK_N, BLOCK_KW])
-    return acc, corr
-
-
-@jit
-def _gemv_row(acc, corr, xr, cols, k_mask, w, s, b, BITS: tl.constexpr, NG: tl.constexpr, BLOCK_N: tl.constexpr,
+def _gemv_row(acc, xr, cols, w, s, bb, BITS: tl.constexpr, NG: tl.constexpr, BLOCK_N: tl.constexpr,
               BLOCK_KW: tl.constexpr):
+    """One row of x against a tile of words: acc += s 2^-P sum_i x_i f_i + bb sum_i x_i per word
+    (bb: the int4 bias, or -128 s for int8's offset)."""
+    E: tl.constexpr = _P + 149  # x's prescale for a field at bit 0
     if BITS == 4:
-        # column 8j + i is nibble i of word j (bits 4i..4i+3); one shift of the word at most puts it
-        # in a float's mantissa at bit 16 (even i) or 12 (odd i), one AND-OR makes 1 + q * 2^(p - 23)
-        ONE: tl.constexpr = 0x3F800000
-        M12: tl.constexpr = 0xF << 12
-        M16: tl.constexpr = 0xF << 16
-        sl = w << 8
-        sr = w >> 8
-        rot = (w << 16) | (w >> 16)
-        t, xs, ys = _int4_row(xr, cols, k_mask, ((rot & M16) | ONE).to(tl.float32, bitcast=True),
-                              ((sl & M12) | ONE).to(tl.float32, bitcast=True),
-                              ((sl & M16) | ONE).to(tl.float32, bitcast=True),
-                              ((w & M12) | ONE).to(tl.float32, bitcast=True),
-                              ((w & M16) | ONE).to(tl.float32, bitcast=True),
-                              ((sr & M12) | ONE).to(tl.float32, bitcast=True),
-                              ((sr & M16) | ONE).to(tl.float32, bitcast=True),
-                              ((rot & M12) | ONE).to(tl.float32, bitcast=True))
+        # nibble i at bits 4i: 0-5 ANDed out in place; w >> 24 is q6 + 16 q7 and w >> 28 is q7, so
+        # x6 (q6 + 16 q7) + (x7 - 16 x6) q7 takes 6 and 7 with one shift each and no mask
+        x0, x1, x2, x3 = _gemv_x(xr, cols, 0), _gemv_x(xr, cols, 1), _gemv_x(xr, cols, 2), _gemv_x(xr, cols, 3)
+        x4, x5, x6, x7 = _gemv_x(xr, cols, 4), _gemv_x(xr, cols, 5), _gemv_x(xr, cols, 6), _gemv_x(xr, cols, 7)
+        t = (x0 * 2.0 ** E)[None, :] * (w & 0xF).to(tl.float32, bitcast=True)
+        t += (x1 * 2.0 ** (E - 4))[None, :] * (w & 0xF0).to(tl.float32, bitcast=True)
+        t += (x2 * 2.0 ** (E - 8))[None, :] * (w & 0xF00).to(tl.float32, bitcast=True)
+        t += (x3 * 2.0 ** (E - 12))[None, :] * (w & 0xF000).to(tl.float32, bitcast=True)
+        t += (x4 * 2.0 ** (E - 16))[None, :] * (w & 0xF0000).to(tl.float32, bitcast=True)
+        t += (x5 * 2.0 ** (E - 20))[None, :] * (w & 0xF00000).to(tl.float32, bitcast=True)
+        t += (x6 * 2.0 ** E)[None, :] * (w >> 24).to(tl.float32, bitcast=True)
+        t += ((x7 - 16.0 * x6) * 2.0 ** E)[None, :] * (w >> 28).to(tl.float32, bitcast=True)
+        xs = x0 + x1 + x2 + x3 + x4 + x5 + x6 + x7
     else:
-        # column 4j + b is byte b; shifted to bits 15..22 (the mantissa's top), its top bit flipped
-        # (q + 128) and 1.0's exponent set by one AND-XOR: f = 1 + (q + 128) / 256
-        EXP: tl.constexpr = 0x3FC00000
-        BYTE: tl.constexpr = 0xFF << 15
-        t, xs = _int8_row(xr, cols, k_mask, (((w << 15) & BYTE) ^ EXP).to(tl.float32, bitcast=True),
-                          (((w << 7) & BYTE) ^ EXP).to(tl.float32, bitcast=True),
-                          (((w >> 1) & BYTE) ^ EXP).to(tl.float32, bitcast=True),
-                          (((w >> 9) & BYTE) ^ EXP).to(tl.float32, bitcast=True))
-        ys = xs
-    return _gemv_accumulate(acc, corr, t, xs, ys, s, b, BITS, NG, BLOCK_N, BLOCK_KW)
+        # byte b, plus 128 once its top bit flips, at bits 8b: 0-2 in place, 3 shifted down to bit 0
+        u = w ^ 0x80808080
+        x0, x1, x2, x3 = _gemv_x(xr, cols, 0), _gemv_x(xr, cols, 1), _gemv_x(xr, cols, 2), _gemv_x(xr, cols, 3)
+        t = (x0 * 2.0 ** E)[None, :] * (u & 0xFF).to(tl.float32, bitcast=True)
+        t += (x1 * 2.0 ** (E - 8))[None, :] * (u & 0xFF00).to(tl.float32, bitcast=True)
+        t += (x2 * 2.0 ** (E - 16))[None, :] * (u & 0xFF0000).to(tl.float32, bitcast=True)
+        t += (x3 * 2.0 ** E)[None, :] * (u >> 24).to(tl.float32, bitcast=True)
+        xs = x0 + x1 + x2 + x3
+    # the x sums per word go into acc too (bb sum x, one FMA a word): summed per tile they met
+    # reductions across threads and layout conversions
+    if NG == 1:  # s, bb: [BLOCK_N]
+        acc += t * s[:, None]
+        acc += bb[:, None] * xs[None, :]
+    else:  # s, bb: [BLOCK_N, NG]
+        t = tl.reshape(t, [BLOCK_N, NG, BLOCK_KW // NG]) * s[:, :, None]
+        t += bb[:, :, None] * tl.reshape(xs, [NG, BLOCK_KW // NG])[None, :, :]
+        acc += tl.reshape(t, [BLOCK_N, BLOCK_KW])
+    return acc
 
 
 @jit
-def _gemv_store(acc, corr, row, offs_n, n_mask, bias_ptr, out_ptr, ws_ptr, N, stride_om, HAS_BIAS: tl.constexpr,
+def _gemv_store(acc, row, offs_n, n_mask, bias_ptr, out_ptr, ws_ptr, N, stride_om, HAS_BIAS: tl.constexpr,
                 SPLIT: tl.constexpr):
     """A row's share: stored (one split), or added into the fp32 workspace row."""
-    part = tl.sum(acc, axis=1) + corr
+    part = tl.sum(acc, axis=1)
     if not SPLIT:
         if HAS_BIAS:
             part += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
@@ -212,7 +182,7 @@ def _wq_gemv_kernel(
     BLOCK_K: tl.constexpr = BLOCK_KW * PER
     NG: tl.constexpr = BLOCK_K // GROUP if BLOCK_K > GROUP else 1  # groups a tile
     pid_n = tl.program_id(0)
-    tiles = tl.cdiv(K, BLOCK_K)
+    tiles = K // BLOCK_K  # whole tiles (_gemv_fits)
     per_split = tl.cdiv(tiles, SPLITS)
     t0 = tl.program_id(1) * per_split
     t1 = tl.minimum(t0 + per_split, tiles)
@@ -220,50 +190,48 @@ def _wq_gemv_kernel(
     offs_w = tl.arange(0, BLOCK_KW)
     offs_g = tl.arange(0, NG)
     n_mask = offs_n < N
-    s_ptrs = offs_n[:, None].to(tl.int64) * stride_sn + offs_g[None, :]
-    q_ptrs = q_ptr + offs_n[:, None].to(tl.int64) * stride_qn + offs_w[None, :]
-    kw_total = K // PER
+    # no masks in the loop: rows past N read row N - 1 (never stored), a split past the end a
+    # real tile (never summed)
+    rows = tl.minimum(offs_n, N - 1).to(tl.int64)
+    if NG == 1:
+        s_ptrs = s_ptr + rows * stride_sn
+        b_ptrs = b_ptr + rows * stride_sn
+    else:
+        s_ptrs = s_ptr + rows[:, None] * stride_sn + offs_g[None, :]
+        b_ptrs = b_ptr + rows[:, None] * stride_sn + offs_g[None, :]
+    q_ptrs = q_ptr + rows[:, None] * stride_qn + offs_w[None, :]
+    cols = offs_w * PER
     acc0 = tl.zeros([BLOCK_N, BLOCK_KW], tl.float32)
     acc1 = tl.zeros([BLOCK_N, BLOCK_KW], tl.float32)
     acc2 = tl.zeros([BLOCK_N, BLOCK_KW], tl.float32)
     acc3 = tl.zeros([BLOCK_N, BLOCK_KW], tl.float32)
-    corr0 = tl.zeros([BLOCK_N], tl.float32)
-    corr1 = tl.zeros([BLOCK_N], tl.float32)
-    corr2 = tl.zeros([BLOCK_N], tl.float32)
-    corr3 = tl.zeros([BLOCK_N], tl.float32)
-    w = tl.load(q_ptrs + t0 * BLOCK_KW, mask=n_mask[:, None] & (t0 * BLOCK_KW + offs_w < kw_total)[None, :] & (t0 < t1),
-                other=0).to(tl.uint32, bitcast=True)
+    w = tl.load(q_ptrs + tl.minimum(t0, tiles - 1) * BLOCK_KW).to(tl.uint32, bitcast=True)
     for t in range(t0, t1):
         # the next tile's words in flight while this one is summed
-        nxt = (t + 1) * BLOCK_KW + offs_w
-        w_next = tl.load(q_ptrs + (t + 1) * BLOCK_KW, mask=n_mask[:, None] & (nxt < kw_total)[None, :] & (t + 1 < t1),
-                         other=0).to(tl.uint32, bitcast=True)
-        kw = t * BLOCK_KW + offs_w
-        k_mask = kw < kw_total
-        cols = kw * PER
-        g_mask = n_mask[:, None] & (t * BLOCK_K // GROUP + offs_g < K // GROUP)[None, :]
-        s = tl.load(s_ptr + s_ptrs + t * BLOCK_K // GROUP, mask=g_mask, other=0.0).to(tl.float32)
-        b = s
+        w_next = tl.load(q_ptrs + tl.minimum(t + 1, t1 - 1) * BLOCK_KW).to(tl.uint32, bitcast=True)
+        g = t * BLOCK_K // GROUP
+        s = tl.load(s_ptrs + g).to(tl.float32)
         if BITS == 4:
-            b = tl.load(b_ptr + s_ptrs + t * BLOCK_K // GROUP, mask=g_mask, other=0.0).to(tl.float32)
-        acc0, corr0 = _gemv_row(acc0, corr0, x_ptr, cols, k_mask, w, s, b, BITS, NG, BLOCK_N, BLOCK_KW)
+            bb = tl.load(b_ptrs + g).to(tl.float32)
+        else:
+            bb = -128.0 * s
+        s = s * 2.0 ** -_P
+        xr = x_ptr + t * BLOCK_K
+        acc0 = _gemv_row(acc0, xr, cols, w, s, bb, BITS, NG, BLOCK_N, BLOCK_KW)
         if M > 1:
-            acc1, corr1 = _gemv_row(acc1, corr1, x_ptr + stride_xm, cols, k_mask, w, s, b, BITS, NG, BLOCK_N,
-                                    BLOCK_KW)
+            acc1 = _gemv_row(acc1, xr + stride_xm, cols, w, s, bb, BITS, NG, BLOCK_N, BLOCK_KW)
         if M > 2:
-            acc2, corr2 = _gemv_row(acc2, corr2, x_ptr + 2 * stride_xm, cols, k_mask, w, s, b, BITS, NG, BLOCK_N,
-                                    BLOCK_KW)
+            acc2 = _gemv_row(acc2, xr + 2 * stride_xm, cols, w, s, bb, BITS, NG, BLOCK_N, BLOCK_KW)
         if M > 3:
-            acc3, corr3 = _gemv_row(acc3, corr3, x_ptr + 3 * stride_xm, cols, k_mask, w, s, b, BITS, NG, BLOCK_N,
-                                    BLOCK_KW)
+            acc3 = _gemv_row(acc3, xr + 3 * stride_xm, cols, w, s, bb, BITS, NG, BLOCK_N, BLOCK_KW)
         w = w_next
-    _gemv_store(acc0, corr0, 0, offs_n, n_mask, bias_ptr, out_ptr, ws_ptr, N, stride_om, HAS_BIAS, SPLIT)
+    _gemv_store(acc0, 0, offs_n, n_mask, bias_ptr, out_ptr, ws_ptr, N, stride_om, HAS_BIAS, SPLIT)
     if M > 1:
-        _gemv_store(acc1, corr1, 1, offs_n, n_mask, bias_ptr, out_ptr, ws_ptr, N, stride_om, HAS_BIAS, SPLIT)
+        _gemv_store(acc1, 1, offs_n, n_mask, bias_ptr, out_ptr, ws_ptr, N, stride_om, HAS_BIAS, SPLIT)
     if M > 2:
-        _gemv_store(acc2, corr2, 2, offs_n, n_mask, bias_ptr, out_ptr, ws_ptr, N, stride_om, HAS_BIAS, SPLIT)
+        _gemv_store(acc2, 2, offs_n, n_mask, bias_ptr, out_ptr, ws_ptr, N, stride_om, HAS_BIAS, SPLIT)
     if M > 3:
-        _gemv_store(acc3, corr3, 3, offs_n, n_mask, bias_ptr, out_ptr, ws_ptr, N, stride_om, HAS_BIAS, SPLIT)
+        _gemv_store(acc3, 3, offs_n, n_mask, bias_ptr, out_ptr, ws_ptr, N, stride_om, HAS_BIAS, SPLIT)
     if SPLIT:
         tl.debug_barrier()  # every thread's adds issued before the count (released by the atomic)
         if tl.atomic_add(cnt_ptr + pid_n, 1, sem="acq_rel") == SPLITS - 1:
@@ -345,16 +313,23 @@ GEMV_ROWS = 1  # what it is chosen for: at 2 rows the dequant kernel measured fa
 GEMV_SPLITS = (1, 2, 4, 8, 16)
 
 
+# (BLOCK_N, words a tile, warps) per format: 8 rows a thread (BLOCK_N / (8 lanes x warps) with
+# 4 words a thread along K); 16 rows spilled registers (sm_90 compile)
+GEMV_TILES = {4: [(256, 16, 4), (128, 16, 4), (512, 16, 8), (256, 8, 4)],
+              8: [(256, 16, 4), (256, 32, 8), (128, 32, 4), (128, 16, 4)]}
+
+
 def _gemv_configs() -> list:
-    # (BLOCK_N, words a tile, warps); the split of K is tried per shape (GEMV_SPLITS)
-    # the best at 1 row on an H200 over 8 tiles x 5 splits (docs/BENCHMARKS.md), and one wider
-    shapes = [(32, 16, 4), (64, 16, 4), (64, 32, 4), (64, 64, 4), (128, 8, 4)]
+    # the split of K is tried per shape (GEMV_SPLITS)
+    shapes = sorted({t for tiles in GEMV_TILES.values() for t in tiles})
     return [triton.Config({"BLOCK_N": n, "BLOCK_KW": kw, "SPLITS": s}, num_warps=w, num_stages=1)
             for n, kw, w in shapes for s in GEMV_SPLITS]
 
 
 def _gemv_fits(group: int, k: int, bits: int, block_kw: int) -> bool:
-    return group % (8 if bits == 4 else 4) == 0 and _fits(group, k, block_kw * (8 if bits == 4 else 4))
+    """Whole words a group, a tile in one group or of whole groups, and whole tiles along K."""
+    block_k = block_kw * (8 if bits == 4 else 4)
+    return group % (8 if bits == 4 else 4) == 0 and _fits(group, k, block_k) and k % block_k == 0
 
 
 def _gemv_prune(configs, named_args, **kwargs):
@@ -366,7 +341,8 @@ def _gemv_prune(configs, named_args, **kwargs):
         programs = -(-n // c.kwargs["BLOCK_N"]) * c.kwargs["SPLITS"]
         # a split of at least 2 tiles, and splits only while the blocks are few (~8 waves on 132 SMs)
         split_ok = c.kwargs["SPLITS"] == 1 or (tiles >= 2 * c.kwargs["SPLITS"] and programs <= 1056)
-        if _gemv_fits(group, k, bits, c.kwargs["BLOCK_KW"]) and split_ok:
+        tile = (c.kwargs["BLOCK_N"], c.kwargs["BLOCK_KW"], c.num_warps)
+        if tile in GEMV_TILES[bits] and _gemv_fits(group, k, bits, c.kwargs["BLOCK_KW"]) and split_ok:
             kept.append(c)
     return kept or configs[:1]
 
@@ -407,7 +383,7 @@ def _gemv_words(weight: QuantizedWeight, k: int) -> torch.Tensor | None:
 
 def decode_path(weight: QuantizedWeight, rows: int, dtype: torch.dtype) -> str:
     """Which kernel takes ``rows`` (<= DECODE_MAX_ROWS) rows of x: "gemv" or "dequant" (module docstring)."""
-    # float32 activations stay on the tensor cores: the GEMV's magic numbers cost them ~2^-16
+    # float32 activations stay on the tensor cores (the GEMV takes them exactly, but was not timed so)
     if rows <= GEMV_ROWS and dtype != torch.float32 and _gemv_words(weight, weight.shape[1]) is not None:
         return "gemv"
     return "dequant"
