@@ -2,7 +2,7 @@
 with dummy:llama-3.1-8b quantized at load (bf16 vs int8 vs int4 in the same run).
 
     python benchmarks/quant_gpu.py --out quant.json [--configs none int8 int4] [--parts kernels engine]
-        [--batches 1 8 16 64] [--sweep-prefill] [--decode-rows 1 2 4 8 16] [--sweep-gemv]
+        [--batches 1 8 16 64] [--sweep-prefill] [--decode-rows 1 2 4 8 16] [--sweep-gemv] [--gemv-tl-load]
 
 kernels  each Llama-3.1-8B projection (and the LM head in int8) at 1, 8, 16, 64 and 512 rows:
          median time (triton.testing.do_bench) of bf16 (the engine's path: skinny matmul at 1 row,
@@ -237,6 +237,8 @@ def main() -> None:
     ap.add_argument("--parts", nargs="+", choices=["kernels", "decode", "engine"], default=["kernels", "engine"])
     ap.add_argument("--decode-rows", type=int, nargs="+", default=[1, 2, 4, 8, 16])
     ap.add_argument("--sweep-gemv", action="store_true")
+    ap.add_argument("--gemv-tl-load", action="store_true",
+                    help="decode part: the GEMV's scales and x by tl.load, not inline asm (A/B of GEMV_ASM)")
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 16, 64])
     ap.add_argument("--kernel-rows", type=int, nargs="+", default=[1, 8, 16, 64, 512])
     ap.add_argument("--sweep-prefill", action="store_true")
@@ -253,6 +255,10 @@ def main() -> None:
         torch.cuda.empty_cache()
     if "decode" in args.parts:
         res.setdefault("ceilings", measure_ceilings(torch.device("cuda")))
+        if args.gemv_tl_load:
+            import kernels.wq_matmul
+
+            kernels.wq_matmul.GEMV_ASM = False
         try:
             res["decode"] = bench_decode(res["ceilings"], args.decode_rows, args.sweep_gemv)
         finally:

@@ -9,9 +9,12 @@ Three regimes by rows of x:
   two that makes every product x q 2^-64: exact, normal, and with no constant part to take out.
   Per word the FMA chain's sum is scaled once by its group's scale, plus b sum(x) for int4's bias
   (-128 s sum(x) for int8's offset), into per-element fp32 sums reduced once at the end. x is
-  loaded once a tile and reused over the thread's 8 rows. Few output blocks split K (SPLITS): the
-  splits add into an fp32 workspace and the last one writes the output and zeroes it again, so
-  no extra launch, and nothing allocated per call (CUDA graphs).
+  loaded once a tile (bf16: 16 bytes a word) and reused over the thread's 8 rows. On a GPU the
+  scales and x are read by inline asm in the tile's own register layout (_ld_scale): tl.load gave
+  the per-row scales a layout of their own and converted it through shared memory, two barriers a
+  tile right behind the load, and took 245 registers (now 168) for int4's 8 rows. Few output
+  blocks split K (SPLITS): the splits add into an fp32 workspace and the last one writes the
+  output and zeroes it again, so no extra launch, and nothing allocated per call (CUDA graphs).
 - 2 to 16 rows (DECODE_MAX_ROWS): each program owns a BLOCK_M x BLOCK_N tile and walks K,
   unpacking and scaling the weight tile (q * s + b) in registers into a tensor-core dot with x's
   tile ("dequant"). The weight is read once and never written out dense.
@@ -23,10 +26,10 @@ Three regimes by rows of x:
 
 Tiles (and the GEMV's split) are tuned per (N, K, format, rows) at first use: the engine's
 warm-up, before CUDA-graph capture. Measured on an H200 (docs/BENCHMARKS.md): the GEMV reads
-int4 at 1.1-1.7 TB/s and int8 at 2.0-2.8 TB/s (about 3.2 SASS instructions a weight for int4 at
-~30% of the issue rate: one warp or two a scheduler, 180-245 registers a thread, so latency
-rather than instructions or bytes), well short of the 4 TB/s copy rate; the dequant kernel and a
-tensor-core variant fed by a mantissa trick were slower than the GEMV at 1 row.
+int4 at 1.4-2.1 TB/s and int8 at 1.9-3.7 TB/s (int4 about 3.1 SASS instructions a weight, three
+128-thread programs an SM), short of the 4.2 TB/s copy rate; the dequant kernel and a
+tensor-core variant fed by a mantissa trick were slower than the GEMV at 1 row, and an L2
+prefetch of each row's tile 4 ahead (prefetch.global.L2) cost more registers than it saved.
 """
 
 from __future__ import annotations
@@ -103,16 +106,38 @@ def _gemv_x(xr, cols, i: tl.constexpr):
 
 
 @jit
+def _bf16_pair(v):
+    """The two bf16 halves of int32 words as float32 (low, high)."""
+    return (v << 16).to(tl.float32, bitcast=True), (v & -65536).to(tl.float32, bitcast=True)
+
+
+@jit
+def _gemv_x8(xr, cols):
+    """x's 8 bf16 columns of each word, one 16-byte load a word in the words' own layout."""
+    a, b, c, d = tl.inline_asm_elementwise("ld.global.nc.v4.b32 {$0, $1, $2, $3}, [$4];", "=r,=r,=r,=r,l",
+                                           [xr + cols], dtype=(tl.int32, tl.int32, tl.int32, tl.int32),
+                                           is_pure=False, pack=1)
+    x0, x1 = _bf16_pair(a)
+    x2, x3 = _bf16_pair(b)
+    x4, x5 = _bf16_pair(c)
+    x6, x7 = _bf16_pair(d)
+    return x0, x1, x2, x3, x4, x5, x6, x7
+
+
+@jit
 def _gemv_row(acc, xr, cols, w, s, bb, BITS: tl.constexpr, NG: tl.constexpr, BLOCK_N: tl.constexpr,
-              BLOCK_KW: tl.constexpr):
+              BLOCK_KW: tl.constexpr, XVEC: tl.constexpr):
     """One row of x against a tile of words: acc += s 2^-P sum_i x_i f_i + bb sum_i x_i per word
     (bb: the int4 bias, or -128 s for int8's offset)."""
     E: tl.constexpr = _P + 149  # x's prescale for a field at bit 0
     if BITS == 4:
         # nibble i at bits 4i: 0-5 ANDed out in place; w >> 24 is q6 + 16 q7 and w >> 28 is q7, so
         # x6 (q6 + 16 q7) + (x7 - 16 x6) q7 takes 6 and 7 with one shift each and no mask
-        x0, x1, x2, x3 = _gemv_x(xr, cols, 0), _gemv_x(xr, cols, 1), _gemv_x(xr, cols, 2), _gemv_x(xr, cols, 3)
-        x4, x5, x6, x7 = _gemv_x(xr, cols, 4), _gemv_x(xr, cols, 5), _gemv_x(xr, cols, 6), _gemv_x(xr, cols, 7)
+        if XVEC:
+            x0, x1, x2, x3, x4, x5, x6, x7 = _gemv_x8(xr, cols)
+        else:
+            x0, x1, x2, x3 = _gemv_x(xr, cols, 0), _gemv_x(xr, cols, 1), _gemv_x(xr, cols, 2), _gemv_x(xr, cols, 3)
+            x4, x5, x6, x7 = _gemv_x(xr, cols, 4), _gemv_x(xr, cols, 5), _gemv_x(xr, cols, 6), _gemv_x(xr, cols, 7)
         t = (x0 * 2.0 ** E)[None, :] * (w & 0xF).to(tl.float32, bitcast=True)
         t += (x1 * 2.0 ** (E - 4))[None, :] * (w & 0xF0).to(tl.float32, bitcast=True)
         t += (x2 * 2.0 ** (E - 8))[None, :] * (w & 0xF00).to(tl.float32, bitcast=True)
@@ -125,7 +150,13 @@ def _gemv_row(acc, xr, cols, w, s, bb, BITS: tl.constexpr, NG: tl.constexpr, BLO
     else:
         # byte b, plus 128 once its top bit flips, at bits 8b: 0-2 in place, 3 shifted down to bit 0
         u = w ^ 0x80808080
-        x0, x1, x2, x3 = _gemv_x(xr, cols, 0), _gemv_x(xr, cols, 1), _gemv_x(xr, cols, 2), _gemv_x(xr, cols, 3)
+        if XVEC:
+            a, b = tl.inline_asm_elementwise("ld.global.nc.v2.b32 {$0, $1}, [$2];", "=r,=r,l", [xr + cols],
+                                             dtype=(tl.int32, tl.int32), is_pure=False, pack=1)
+            x0, x1 = _bf16_pair(a)
+            x2, x3 = _bf16_pair(b)
+        else:
+            x0, x1, x2, x3 = _gemv_x(xr, cols, 0), _gemv_x(xr, cols, 1), _gemv_x(xr, cols, 2), _gemv_x(xr, cols, 3)
         t = (x0 * 2.0 ** E)[None, :] * (u & 0xFF).to(tl.float32, bitcast=True)
         t += (x1 * 2.0 ** (E - 8))[None, :] * (u & 0xFF00).to(tl.float32, bitcast=True)
         t += (x2 * 2.0 ** (E - 16))[None, :] * (u & 0xFF0000).to(tl.float32, bitcast=True)
@@ -167,11 +198,35 @@ def _gemv_fixup(row, offs_n, n_mask, bias_ptr, out_ptr, ws_ptr, N, stride_om, HA
     tl.store(out_ptr + row * stride_om + offs_n, part.to(out_ptr.dtype.element_ty), mask=n_mask)
 
 
+# a scale's load by inline asm (the kernel's ASM path)
+_LD_BF16 = tl.constexpr("ld.global.nc.u16 $0, [$1]; shl.b32 $0, $0, 16;") if tl else None
+_LD_F16 = tl.constexpr("{ .reg .b16 h; ld.global.nc.b16 h, [$1]; cvt.f32.f16 $0, h; }") if tl else None
+_LD_F32 = tl.constexpr("ld.global.nc.b32 $0, [$1];") if tl else None
+
+
+@jit
+def _ld_scale(ptrs, ASM: tl.constexpr):
+    """The values at ``ptrs`` as float32 in ``ptrs``' own register layout. tl.load would give a
+    [BLOCK_N] tensor a layout of its own (no lane repeats a row) and convert it through shared
+    memory: a store, two barriers and a load a tile, right behind the load's latency."""
+    if not ASM:
+        return tl.load(ptrs).to(tl.float32)
+    ty: tl.constexpr = ptrs.dtype.element_ty
+    if ty == tl.bfloat16:
+        ld: tl.constexpr = _LD_BF16
+    elif ty == tl.float16:
+        ld: tl.constexpr = _LD_F16
+    else:
+        ld: tl.constexpr = _LD_F32
+    return tl.inline_asm_elementwise(ld, "=r,l", [ptrs], dtype=tl.float32, is_pure=True, pack=1)
+
+
 @jit(do_not_specialize=("SPLITS",))
 def _wq_gemv_kernel(
     x_ptr, q_ptr, s_ptr, b_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr, N, K, stride_xm, stride_qn, stride_sn,
     stride_om, SPLITS, BITS: tl.constexpr, GROUP: tl.constexpr, HAS_BIAS: tl.constexpr, M: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_KW: tl.constexpr, SPLIT: tl.constexpr, USE_PDL: tl.constexpr,
+    ASM: tl.constexpr = False, XVEC: tl.constexpr = False,
 ):
     """1 to 4 rows on the CUDA cores (module docstring). q_ptr: the packed weight as int32 words
     (stride_qn in words). Program (i, j) owns BLOCK_N outputs over split j of K's tiles; with
@@ -200,6 +255,7 @@ def _wq_gemv_kernel(
         s_ptrs = s_ptr + rows[:, None] * stride_sn + offs_g[None, :]
         b_ptrs = b_ptr + rows[:, None] * stride_sn + offs_g[None, :]
     q_ptrs = q_ptr + rows[:, None] * stride_qn + offs_w[None, :]
+    SASM: tl.constexpr = ASM and NG == 1
     cols = offs_w * PER
     acc0 = tl.zeros([BLOCK_N, BLOCK_KW], tl.float32)
     acc1 = tl.zeros([BLOCK_N, BLOCK_KW], tl.float32)
@@ -210,20 +266,20 @@ def _wq_gemv_kernel(
         # the next tile's words in flight while this one is summed
         w_next = tl.load(q_ptrs + tl.minimum(t + 1, t1 - 1) * BLOCK_KW).to(tl.uint32, bitcast=True)
         g = t * BLOCK_K // GROUP
-        s = tl.load(s_ptrs + g).to(tl.float32)
+        s = _ld_scale(s_ptrs + g, SASM)
         if BITS == 4:
-            bb = tl.load(b_ptrs + g).to(tl.float32)
+            bb = _ld_scale(b_ptrs + g, SASM)
         else:
             bb = -128.0 * s
         s = s * 2.0 ** -_P
         xr = x_ptr + t * BLOCK_K
-        acc0 = _gemv_row(acc0, xr, cols, w, s, bb, BITS, NG, BLOCK_N, BLOCK_KW)
+        acc0 = _gemv_row(acc0, xr, cols, w, s, bb, BITS, NG, BLOCK_N, BLOCK_KW, XVEC)
         if M > 1:
-            acc1 = _gemv_row(acc1, xr + stride_xm, cols, w, s, bb, BITS, NG, BLOCK_N, BLOCK_KW)
+            acc1 = _gemv_row(acc1, xr + stride_xm, cols, w, s, bb, BITS, NG, BLOCK_N, BLOCK_KW, XVEC)
         if M > 2:
-            acc2 = _gemv_row(acc2, xr + 2 * stride_xm, cols, w, s, bb, BITS, NG, BLOCK_N, BLOCK_KW)
+            acc2 = _gemv_row(acc2, xr + 2 * stride_xm, cols, w, s, bb, BITS, NG, BLOCK_N, BLOCK_KW, XVEC)
         if M > 3:
-            acc3 = _gemv_row(acc3, xr + 3 * stride_xm, cols, w, s, bb, BITS, NG, BLOCK_N, BLOCK_KW)
+            acc3 = _gemv_row(acc3, xr + 3 * stride_xm, cols, w, s, bb, BITS, NG, BLOCK_N, BLOCK_KW, XVEC)
         w = w_next
     _gemv_store(acc0, 0, offs_n, n_mask, bias_ptr, out_ptr, ws_ptr, N, stride_om, HAS_BIAS, SPLIT)
     if M > 1:
@@ -311,12 +367,14 @@ _tuned = (triton.autotune(configs=_decode_configs(), key=["N", "K", "BITS", "GRO
 GEMV_MAX_ROWS = 4  # the GEMV kernel's limit
 GEMV_ROWS = 1  # what it is chosen for: at 2 rows the dequant kernel measured faster on gate_up (H200)
 GEMV_SPLITS = (1, 2, 4, 8, 16)
+GEMV_ASM = True  # scales (and bf16 x) loaded by inline asm on a GPU (_ld_scale, _gemv_x8); off: tl.load
 
 
 # (BLOCK_N, words a tile, warps) per format: 8 rows a thread (BLOCK_N / (8 lanes x warps) with
-# 4 words a thread along K); 16 rows spilled registers (sm_90 compile)
-GEMV_TILES = {4: [(256, 16, 4), (128, 16, 4), (512, 16, 8), (256, 8, 4)],
-              8: [(256, 16, 4), (256, 32, 8), (128, 32, 4), (128, 16, 4)]}
+# 4 words a thread along K), or 4 (256 x 16 on 8 warps: chosen for o and down on an H200); 16 rows
+# spilled registers (sm_90 compile)
+GEMV_TILES = {4: [(256, 16, 4), (128, 16, 4), (512, 16, 8), (256, 8, 4), (256, 16, 8)],
+              8: [(256, 16, 4), (256, 32, 8), (128, 32, 4), (128, 16, 4), (256, 16, 8)]}
 
 
 def _gemv_configs() -> list:
@@ -347,7 +405,7 @@ def _gemv_prune(configs, named_args, **kwargs):
     return kept or configs[:1]
 
 
-_gemv_tuned = (triton.autotune(configs=_gemv_configs(), key=["N", "K", "BITS", "GROUP", "HAS_BIAS", "M"],
+_gemv_tuned = (triton.autotune(configs=_gemv_configs(), key=["N", "K", "BITS", "GROUP", "HAS_BIAS", "M", "ASM"],
                                prune_configs_by={"early_config_prune": _gemv_prune}, warmup=5, rep=25)(
     triton.heuristics({"SPLIT": lambda args: args["SPLITS"] > 1})(_wq_gemv_kernel)) if triton else None)
 
@@ -415,6 +473,10 @@ def wq_matmul(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | Non
         assert m <= GEMV_MAX_ROWS
         words = _gemv_words(weight, k)
         ws, cnt = _workspace(x.device, n)
+        asm = GEMV_ASM and not interpreting()
+        # x read 16 bytes a word: bf16, and every row 16-byte aligned
+        opts.update(ASM=asm, XVEC=asm and x.dtype == torch.bfloat16 and x.data_ptr() % 16 == 0
+                    and (m == 1 or x.stride(0) % 8 == 0))
         args = (x, words, weight.scales, biases, bias_arg, out, ws, cnt, n, k, x.stride(0), words.stride(0),
                 weight.scales.stride(0), out.stride(0))
         if config is None and interpreting():

@@ -122,7 +122,8 @@ def quantized_cases() -> list[tuple]:
 
 
 def weight_quant_cases() -> list[tuple]:
-    """The W8A16 / W4A16 matmul (decode tiles and the prefill tile) and the dequantize pass, group 128."""
+    """The W8A16 / W4A16 matmul (decode tiles and the prefill tile), the 1-row GEMV and the dequantize
+    pass, group 128."""
     cases = []
     for bits, q in ((8, "*i8"), (4, "*u8")):
         args = dict(x_ptr=P, q_ptr=q, s_ptr=P, b_ptr=P, bias_ptr=P, out_ptr=P, M="i32", N="i32", K="i32",
@@ -134,6 +135,12 @@ def weight_quant_cases() -> list[tuple]:
         bm, bn, bk, warps, stages = 64, 128, 128, 4, 3  # a sweep's tile (benchmarks/quant_gpu.py)
         cases.append((f"w{bits}a16 64-row tile", wq_matmul._wq_matmul_kernel,
                       {**args, "BLOCK_M": C(bm), "BLOCK_N": C(bn), "BLOCK_K": C(bk)}, warps, stages, True))
+        # the 1-row GEMV as a GPU runs it: scales and x by inline asm, which the interpreter never sees
+        cases.append((f"gemv int{bits}, split", wq_matmul._wq_gemv_kernel, dict(
+            x_ptr=P, q_ptr="*i32", s_ptr=P, b_ptr=P, bias_ptr=P, out_ptr=P, ws_ptr="*fp32", cnt_ptr="*i32", N="i32",
+            K="i32", stride_xm="i32", stride_qn="i32", stride_sn="i32", stride_om="i32", SPLITS="i32", BITS=C(bits),
+            GROUP=C(128), HAS_BIAS=C(False), M=C(1), BLOCK_N=C(256), BLOCK_KW=C(16), SPLIT=C(True), ASM=C(True),
+            XVEC=C(True)), 4, 1, False))
         cases.append((f"dequantize int{bits}", wq_matmul._dequantize_kernel, dict(
             q_ptr=q, s_ptr=P, b_ptr=P, out_ptr=P, N="i32", K="i32", stride_qn="i32", stride_sn="i32",
             stride_on="i32", BITS=C(bits), GROUP=C(128), BLOCK_N=C(32), BLOCK_K=C(128)), 4, 3, False))
