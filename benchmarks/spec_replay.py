@@ -9,6 +9,7 @@ walks each answer as the engine would (propose from prompt + answer so far, acce
 matching prefix, one token more) and prices every step with the recorded time for its rows.
 
     python benchmarks/spec_replay.py --record docs/results/spec_traces_qwen1.5b_cpu.json [--max-tokens 192]
+        [--dtype bfloat16] [--quantization auto] [--traces EARLIER.json]   # --traces: its answers, new step times
     python benchmarks/spec_replay.py --replay docs/results/spec_traces_qwen1.5b_cpu.json
 
 Replayed speed-up = the answer's tokens at the one-row step time / the sum of the replayed steps.
@@ -40,20 +41,31 @@ def ngram(tokens: list[int], k: int, min_n: int = 1, max_n: int = 4) -> list[int
     return NgramDrafter(min_n, max_n).propose(SimpleNamespace(token_ids=tokens), k)
 
 
+def adaptive_k(rate: float, k_max: int, cost: dict[int, float]) -> int:
+    """The k of most expected tokens per second at a per-draft acceptance ``rate``: a step of k
+    drafts emits 1 + rate + .. + rate^k tokens (each accepted only if those before were) and
+    costs cost[k + 1]."""
+    return max(range(k_max + 1), key=lambda k: sum(rate ** j for j in range(k + 1)) / cost[k + 1])
+
+
 def replay(prompt: list[int], answer: list[int], cost: dict[int, float], k: int, backoff: int,
-           min_n: int = 1, max_n: int = 4, oracle: bool = False) -> dict:
+           min_n: int = 1, max_n: int = 4, oracle: bool = False, adaptive: bool = False) -> dict:
     """One answer's steps under a policy: ``backoff`` fully rejected drafts in a row before sitting
     out 1, 2, 4 .. 16 steps (0: never), as llm_engine._accept does; ``oracle``: the drafter knows
-    the answer (the bound for k)."""
+    the answer (the bound for k); ``adaptive``: up to k drafts, as many as ``adaptive_k`` picks
+    for the answer's acceptance so far (a running mean of accepted / drafted, starting at 0.5 and
+    drifting back to it while nothing is drafted)."""
     i, seconds, steps, drafted, accepted, skip, misses = 1, 0.0, 0, 0, 0, 0, 0
+    rate = 0.5
     while i < len(answer):
         room = len(answer) - i - 1
         draft = []
+        want = adaptive_k(rate, k, cost) if adaptive else k
         if skip:
             skip -= 1
-        elif min(k, room) > 0:
-            draft = (answer[i:i + min(k, room)] if oracle
-                     else ngram(prompt + answer[:i], min(k, room), min_n, max_n))
+        elif min(want, room) > 0:
+            draft = (answer[i:i + min(want, room)] if oracle
+                     else ngram(prompt + answer[:i], min(want, room), min_n, max_n))
         n = 0
         while n < len(draft) and draft[n] == answer[i + n]:
             n += 1
@@ -61,9 +73,12 @@ def replay(prompt: list[int], answer: list[int], cost: dict[int, float], k: int,
         steps += 1
         if draft:
             drafted, accepted = drafted + len(draft), accepted + n
+            rate = 0.8 * rate + 0.2 * (n / len(draft))
             misses = misses + 1 if n == 0 else 0
             if backoff and misses >= backoff:
                 skip = min(2 ** (misses - backoff), 16)
+        elif adaptive and want == 0:  # no draft, no news: drift back toward the prior, to try again
+            rate = 0.9 * rate + 0.1 * 0.5
         i += n + 1
     return {"tokens": len(answer) - 1, "seconds": seconds, "steps": steps, "drafted": drafted, "accepted": accepted}
 
@@ -75,10 +90,12 @@ def record(args) -> None:
     import worker.engine.llm_engine as llm_engine
 
     rows = [json.loads(line) for line in DATA.read_text().splitlines() if line.strip()]
-    engine = LLMEngine(EngineConfig(model=args.model, kv_cache_bytes=1 << 30, max_num_seqs=1,
+    engine = LLMEngine(EngineConfig(model=args.model, kv_cache_bytes=1 << 30, max_num_seqs=1, dtype=args.dtype,
                                     quantization=args.quantization, speculative="ngram", num_speculative_tokens=8))
-    traces = []
-    for row in rows:
+    # --traces: an earlier record's answers (greedy answers move little with the weights' form;
+    # the replay then prices them with this configuration's step times)
+    traces = json.loads(Path(args.traces).read_text())["traces"] if args.traces else []
+    for row in rows if not traces else []:
         prompt = engine.tokenize(messages=[{"role": "user", "content": row["prompt"]}])
         engine.block_manager.reset_prefix_cache()
         answer = engine.generate([prompt], SamplingParams(max_tokens=args.max_tokens, temperature=0,
@@ -115,7 +132,7 @@ def record(args) -> None:
     for r, v in cost.items():
         print(f"{r} rows: {v * 1e3:.1f} ms (median of {len(by_rows[r])})", flush=True)
     Path(args.record).write_text(json.dumps({"model": args.model, "quantization": args.quantization,
-                                             "cost_s": cost, "traces": traces}))
+                                             "dtype": args.dtype, "cost_s": cost, "traces": traces}))
 
 
 def main() -> None:
@@ -124,6 +141,8 @@ def main() -> None:
     ap.add_argument("--replay", metavar="FILE")
     ap.add_argument("--model", default="qwen2.5-coder-1.5b")
     ap.add_argument("--quantization", default="none")
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--traces", metavar="FILE", help="with --record: time steps only, over this record's answers")
     ap.add_argument("--max-tokens", type=int, default=192)
     ap.add_argument("--cost-prompts", type=int, default=3)
     args = ap.parse_args()
@@ -139,8 +158,12 @@ def main() -> None:
     print("step time by rows:", ", ".join(f"{r}: {cost[r] * 1e3:.0f} ms" for r in sorted(cost)))
     policies = [("k=2, back-off after 3 (today)", dict(k=2, backoff=3)), ("k=2, no back-off", dict(k=2, backoff=0)),
                 ("k=2, back-off after 6", dict(k=2, backoff=6)), ("k=1, no back-off", dict(k=1, backoff=0)),
-                ("k=3, no back-off", dict(k=3, backoff=0)), ("k=2, n 1-8, no back-off", dict(k=2, backoff=0, max_n=8)),
+                ("k=3, no back-off", dict(k=3, backoff=0)), ("k=4, no back-off", dict(k=4, backoff=0)),
+                ("k=6, no back-off", dict(k=6, backoff=0)), ("k=8, no back-off", dict(k=8, backoff=0)),
+                ("k=2, n 1-8, no back-off", dict(k=2, backoff=0, max_n=8)),
                 ("k=2, n 2-4, no back-off", dict(k=2, backoff=0, min_n=2)),
+                ("k<=8 adaptive, no back-off", dict(k=8, backoff=0, adaptive=True)),
+                ("k<=8 adaptive, back-off after 3", dict(k=8, backoff=3, adaptive=True)),
                 ("k=2, a drafter that knows", dict(k=2, backoff=0, oracle=True)),
                 ("k=8, a drafter that knows", dict(k=8, backoff=0, oracle=True))]
     for workload in sorted({t["workload"] for t in data["traces"]}):

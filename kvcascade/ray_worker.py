@@ -87,12 +87,12 @@ class RayRanks:
             return f"tensor-parallel rank {rank} died: {type(exc).__name__}"
 
     def stop(self, timeout_s: float = 10.0) -> None:
-        from worker.distributed.group import destroy_tp
+        from worker.distributed.group import leave_tp
 
         ray.wait(self.refs, num_returns=len(self.refs), timeout=timeout_s)
         for actor in self.actors:
             ray.kill(actor)
-        destroy_tp()
+        leave_tp(timeout_s)  # where this process is rank 0 (an engine in-process); else nothing to leave
 
 
 @ray.remote(max_restarts=-1, max_task_retries=0)

@@ -32,15 +32,16 @@ PROMPTS = [
 
 @pytest.fixture(scope="session")
 def smollm2() -> LLMEngine:
-    """The default engine; other engines share its loaded model and tokenizer."""
-    return LLMEngine(EngineConfig(model="smollm2-135m"))
+    """The GGUF's weights dequantized to float32 (``quantization="none"``), the weights
+    transformers loads for the reference; other engines share its loaded model and tokenizer."""
+    return LLMEngine(EngineConfig(model="smollm2-135m", quantization="none"))
 
 
 @pytest.fixture
 def make_engine(smollm2):
     def make(**overrides) -> LLMEngine:
-        return LLMEngine(EngineConfig(model="smollm2-135m", **overrides), tokenizer=smollm2.tokenizer,
-                         model=smollm2.model)
+        return LLMEngine(EngineConfig(**{"model": "smollm2-135m", "quantization": "none", **overrides}),
+                         tokenizer=smollm2.tokenizer, model=smollm2.model)
 
     return make
 

@@ -59,8 +59,8 @@ class Cluster:
                         "--disable-usage-stats"], env=ENV, check=True, capture_output=True, timeout=120)
         self.serve = subprocess.Popen(
             [sys.executable, "-m", "kvcascade", "serve", "--address", self.ray_address, "--workers", "2", "--tp", "2",
-             "--redis-url", self.redis.url, "--port", str(self.router_port), "--http-port", str(free_port()),
-             "--grace-period", "20"],
+             "--quantization", "none", "--redis-url", self.redis.url, "--port", str(self.router_port),
+             "--http-port", str(free_port()), "--grace-period", "20"],
             cwd=REPO, env=ENV, stdout=open(self.log, "w"), stderr=subprocess.STDOUT)
         deadline = time.monotonic() + 400
         while time.monotonic() < deadline:
@@ -134,8 +134,9 @@ def test_two_tp2_workers_serve_through_the_router(cluster, smollm2, prompt_ids):
     workers = cluster.workers()
     assert sorted(workers) == ["ray-0", "ray-1"]
     assert all(w.tp_size == 2 for w in workers.values())
-    expected = LLMEngine(EngineConfig(model="smollm2-135m"), tokenizer=smollm2.tokenizer, model=smollm2.model
-                         ).generate(prompt_ids, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
+    expected = LLMEngine(EngineConfig(model="smollm2-135m", quantization="none"), tokenizer=smollm2.tokenizer,
+                         model=smollm2.model).generate(prompt_ids, SamplingParams(max_tokens=12, temperature=0,
+                                                                                  ignore_eos=True))
     results: dict[int, tuple] = {}
 
     def one(i):

@@ -38,7 +38,9 @@ def chat(system: str, question: str, max_tokens: int = 4) -> pb.GenerateRequest:
 @pytest.fixture(scope="module")
 def cluster(redis_server):
     url = redis_server.url
-    workers = {wid: WorkerProcess(wid, url) for wid in ("w1", "w2")}
+    # quantization none (fp32): a migrated stream's re-prefill then computes what decoding did, so
+    # the stream it hands over equals the unbroken one token for token
+    workers = {wid: WorkerProcess(wid, url, "--quantization", "none") for wid in ("w1", "w2")}
     with concurrent.futures.ThreadPoolExecutor(2) as pool:  # load both models at once
         list(pool.map(lambda w: w.start(), workers.values()))
     loop = LoopThread()

@@ -27,7 +27,9 @@ GREEDY = SamplingParams(max_tokens=MAX_NEW, temperature=0, ignore_eos=True)
 
 @pytest.fixture(scope="module")
 def core(smollm2):
-    client = EngineCoreClient(EngineConfig(model="smollm2-135m", max_queued_requests=40), tokenizer=smollm2.tokenizer)
+    # quantization none: the GGUF dequantized, as transformers and the in-process reference read it
+    client = EngineCoreClient(EngineConfig(model="smollm2-135m", quantization="none", max_queued_requests=40),
+                              tokenizer=smollm2.tokenizer)
     client.start(timeout_s=300)
     yield client
     client.shutdown()

@@ -88,6 +88,20 @@ def test_layer_format_fits_the_group_to_the_layer_and_the_device():
         layer_format(QuantSpec(4, 128), 72, "cpu")  # 72 = 8 x 9: no CPU int4 group (32..256) divides it
 
 
+def test_a_quantized_checkpoint_serves_packed_by_default():
+    """As vLLM serves a GGUF, GPTQ or AWQ checkpoint: quantized as it ships unless told otherwise
+    (``none`` dequantizes); a float checkpoint's plan is empty either way."""
+    from contracts.models import resolve_model
+    from worker.models.quantization import quant_plan
+
+    assert EngineConfig().quantization == "auto"
+    gguf = resolve_model("smollm2-135m")
+    plan = quant_plan(EngineConfig().quantization, 128, gguf, 30, True)
+    assert plan is not None and plan.spec("model.layers.0.mlp.down_proj").bits == 4  # Q4_1
+    assert quant_plan("none", 128, gguf, 30, True) is None
+    assert quant_plan("auto", 128, resolve_model("dummy:tiny"), 2, False) is None
+
+
 def test_config_names_bad_quantization_values():
     with pytest.raises(ValueError, match="quantization must be"):
         EngineConfig(quantization="int3")
@@ -252,7 +266,7 @@ def test_gptq_and_awq_projections_load_packed_and_exact(quantized_folders, metho
 def test_a_gptq_or_awq_folder_serves_packed_by_auto_and_dequantized_by_none(quantized_folders, method, smollm2):
     folder = str(quantized_folders[0][method])
     packed = LLMEngine(EngineConfig(model=folder, quantization="auto"), tokenizer=smollm2.tokenizer)
-    dense = LLMEngine(EngineConfig(model=folder), tokenizer=smollm2.tokenizer)
+    dense = LLMEngine(EngineConfig(model=folder, quantization="none"), tokenizer=smollm2.tokenizer)
     assert sum(isinstance(m, QuantizedLinearWeight) for m in packed.model.modules()) == 2 * 4 + 1
     assert not any(isinstance(m, QuantizedLinearWeight) for m in dense.model.modules())
     prompt = list(range(1000, 1100, 3))

@@ -27,7 +27,8 @@ MAX_NEW = 12
 def test_small_greedy_matches_transformers() -> None:
     from transformers import AutoModelForCausalLM
 
-    engine = LLMEngine(EngineConfig(model=SMALL, max_model_len=256, kv_cache_bytes=64 * 2**20))
+    # quantization none: the GGUF dequantized, the weights transformers loads
+    engine = LLMEngine(EngineConfig(model=SMALL, max_model_len=256, kv_cache_bytes=64 * 2**20, quantization="none"))
     prompts = [engine.tokenize(messages=[{"role": "user", "content": p}]) for p in PROMPTS]
     ours = engine.generate(prompts, SamplingParams(max_tokens=MAX_NEW, temperature=0, ignore_eos=True))
     del engine

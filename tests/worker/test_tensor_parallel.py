@@ -11,6 +11,7 @@ from pathlib import Path
 
 import grpc
 import pytest
+import torch
 
 from deploy.local import WorkerProcess
 from protos import kvcascade_pb2 as pb
@@ -107,9 +108,10 @@ def tp_worker(request):
 @pytest.mark.slow
 def test_tp2_smollm2_matches_tp1_and_transformers(tp_worker, smollm2, prompt_ids, hf_reference):
     # 9 query / 3 KV heads over 2 ranks: an uneven split (6+3 / 2+1), vocab and MLP halves.
-    worker = tp_worker("--tp", "2")
+    worker = tp_worker("--tp", "2", "--quantization", "none")  # the GGUF dequantized, as transformers reads it
     assert worker.stats().model == "smollm2-135m"
-    tp1 = LLMEngine(EngineConfig(model="smollm2-135m"), tokenizer=smollm2.tokenizer, model=smollm2.model)
+    tp1 = LLMEngine(EngineConfig(model="smollm2-135m", quantization="none"), tokenizer=smollm2.tokenizer,
+                    model=smollm2.model)
     expected = tp1.generate(prompt_ids, SamplingParams(max_tokens=MAX_NEW, temperature=0, ignore_eos=True))
     assert expected == hf_reference
     assert _greedy(worker.address, prompt_ids) == expected
@@ -128,6 +130,13 @@ def test_dummy_model_tp_matches_tp1_with_replicated_kv_heads(tp_worker, tp):
     expected = tp1.generate(prompts, SamplingParams(max_tokens=24, temperature=0, ignore_eos=True))
     worker = tp_worker("--model", "dummy:tiny", "--tp", str(tp), "--max-num-batched-tokens", "32")
     assert _greedy(worker.address, prompts, max_tokens=24) == expected
+    # A stop leaves every rank's group together: the worker and all its ranks are gone in seconds.
+    ranks = _children(worker.proc.pid, "worker.distributed.ranks")
+    assert len(ranks) == tp - 1
+    t0 = time.monotonic()
+    worker.proc.send_signal(signal.SIGTERM)
+    assert worker.proc.wait(20) == 0 and time.monotonic() - t0 < 15
+    assert not any(Path(f"/proc/{pid}").exists() for pid in ranks)
 
 
 @pytest.mark.slow
@@ -194,8 +203,6 @@ def as_rank():
 
 
 def test_each_rank_loads_only_its_shard(as_rank):
-    import torch
-
     from worker.models.llama import LlamaForCausalLM
     from worker.models.loader import iter_weights, load_config, resolve_model
 
@@ -228,8 +235,6 @@ def test_each_rank_loads_only_its_shard(as_rank):
 
 
 def test_a_checkpoint_of_another_shape_is_refused_naming_the_tensor(as_rank):
-    import torch
-
     from worker.models.config import ModelConfig, PRESETS
     from worker.models.llama import LlamaForCausalLM
     from worker.models.loader import iter_dummy_weights
@@ -265,3 +270,127 @@ def test_int4_weights_under_tp_match_tp1(tp_worker):
     worker = tp_worker("--model", "dummy:tiny", "--tp", "2", "--quantization", "int4",
                        "--quantization-group-size", "32", "--max-num-batched-tokens", "32")
     assert _greedy(worker.address, prompts, max_tokens=24) == expected
+
+
+# --- the step broadcast, the lookahead and the teardown -----------------------------------------
+
+
+_ECHO_RANK = """
+import sys, zlib, pickle, torch, torch.distributed as dist
+from worker.distributed.group import init_tp, leave_tp
+tp = init_tp(1, 2, sys.argv[1], "cpu")
+for _ in range(int(sys.argv[2])):
+    got = tp.broadcast_object()
+    dist.broadcast(torch.tensor([zlib.crc32(pickle.dumps(got))]), src=1, group=tp.cpu_group)
+leave_tp()
+"""
+
+
+@pytest.mark.slow
+def test_the_step_broadcast_carries_small_and_large_steps_whole():
+    """Rank 0's objects reach the follower whole, in one fixed-size broadcast or, past its first
+    chunk, two (a long prefill's step), checked by the follower's checksum of what it got."""
+    import pickle
+    import subprocess
+    import sys
+    import zlib
+
+    import torch.distributed as dist
+
+    from worker.distributed.group import FIRST_CHUNK, init_tp, leave_tp
+    from worker.distributed.ranks import free_port
+    from worker.engine.step_inputs import PromptRows, StepInputs
+
+    big = list(range(3 * FIRST_CHUNK))  # pickles past the first chunk
+    objects = [StepInputs([5, 6], [10, 11], [170, 171], [0, 1, 2], [11, 12], [[10], [2]], 2, [0, 1],
+                          ahead_rows=[0, 1], prev_rows=[1, 0], share_tokens=True),
+               StepInputs(big, big, big, [0, len(big)], [len(big)], [big[::16]], 0, [len(big) - 1],
+                          prompt=PromptRows([0, 1], [2, 3], [2], 5)),
+               None]
+    init = f"tcp://127.0.0.1:{free_port()}"
+    other = subprocess.Popen([sys.executable, "-c", _ECHO_RANK, init, str(len(objects))],
+                             cwd=Path(__file__).resolve().parents[2])
+    try:
+        tp = init_tp(0, 2, init, "cpu", timeout_s=60)
+        for obj in objects:
+            assert tp.broadcast_object(obj) is obj
+            crc = torch.zeros(1, dtype=torch.int64)
+            dist.broadcast(crc, src=1, group=tp.cpu_group)
+            assert int(crc) == zlib.crc32(pickle.dumps(obj))
+        assert leave_tp(timeout_s=10)
+        assert other.wait(10) == 0
+    finally:
+        other.kill()
+        other.wait()
+
+
+@pytest.fixture
+def in_process_tp():
+    """Rank 0 in this process (as benchmarks/tp_gpu.py runs it), the other ranks its children."""
+    from worker.distributed.ranks import LocalRanks
+
+    started = []
+
+    def start(config: EngineConfig) -> tuple[LLMEngine, LocalRanks]:
+        ranks = LocalRanks(config)
+        engine = LLMEngine(ranks.start())
+        started.append((engine, ranks))
+        return engine, ranks
+
+    yield start
+    for engine, ranks in started:
+        engine.close()
+        ranks.stop()
+
+
+@pytest.mark.slow
+def test_the_lookahead_under_tp_matches_tp1_and_every_rank_leaves_together(in_process_tp):
+    """With the lookahead (async scheduling) rank 0 samples on the device and never reads a step
+    before launching the next: the followers take its sampled tokens over the device group. The
+    tokens are TP=1's, greedy and seeded, with requests leaving the batch at different steps (the
+    lookahead's rows then differ from the step before's); after the close every rank exits at
+    once, cleanly."""
+    prompts = [[(7 * i + 3 * j) % 500 + 1 for j in range(5 + 9 * i)] for i in range(6)]
+    params = [SamplingParams(max_tokens=6 + 4 * i, temperature=0, ignore_eos=True) if i % 2 else
+              SamplingParams(max_tokens=30 - 3 * i, temperature=0.8, seed=i, ignore_eos=True) for i in range(6)]
+    common = dict(model="dummy:tiny", max_num_batched_tokens=32, async_scheduling=True)
+    tp1 = LLMEngine(EngineConfig(**common))
+    expected = tp1.generate(prompts, params)
+    engine, ranks = in_process_tp(EngineConfig(**common, tensor_parallel_size=2))
+    launched = []
+    forward_ahead = engine.runner.forward_ahead
+    engine.runner.forward_ahead = lambda *a, **kw: launched.append(1) or forward_ahead(*a, **kw)
+    assert engine.generate(prompts, params) == expected
+    assert len(launched) > 20  # the steps went through the lookahead, not the plain path
+    engine.close()
+    t0 = time.monotonic()
+    ranks.stop()
+    assert time.monotonic() - t0 < 5
+    assert [p.returncode for p in ranks.procs] == [0]
+
+
+@pytest.mark.slow
+def test_leaving_does_not_wait_for_a_rank_that_never_comes():
+    """A rank that never reaches the teardown (hung, or gone) costs the others the barrier's
+    timeout, not forever: leave_tp returns and the group is gone."""
+    import subprocess
+    import sys
+
+    import torch.distributed as dist
+
+    from worker.distributed.group import get_tp, init_tp, leave_tp
+    from worker.distributed.ranks import free_port
+
+    init = f"tcp://127.0.0.1:{free_port()}"
+    code = ("import time, sys; from worker.distributed.group import init_tp; "
+            f"init_tp(1, 2, {init!r}, 'cpu'); time.sleep(120)")
+    other = subprocess.Popen([sys.executable, "-c", code], cwd=Path(__file__).resolve().parents[2])
+    try:
+        init_tp(0, 2, init, "cpu", timeout_s=60)
+        t0 = time.monotonic()
+        assert leave_tp(timeout_s=1.0)  # the barrier times out; the destroy itself finishes
+        assert time.monotonic() - t0 < 5
+        assert not dist.is_initialized() and get_tp().size == 1
+    finally:
+        other.kill()
+        other.wait()

@@ -129,6 +129,7 @@ def serve_core(config: EngineConfig, input_addr: str, output_addr: str, parent_p
     outputs.connect(output_addr)
     encode = msgspec.msgpack.Encoder().encode
     engine = None
+    left = True
     try:
         if config.tensor_parallel_size > 1:
             from worker.distributed.ranks import join_as_rank0
@@ -156,9 +157,17 @@ def serve_core(config: EngineConfig, input_addr: str, output_addr: str, parent_p
                 engine.close()  # tensor-parallel ranks leave their step loop
             except Exception:
                 log.exception("closing the engine failed")
+        if config.tensor_parallel_size > 1:
+            from worker.distributed.group import leave_tp
+
+            left = leave_tp()  # together with the other ranks, which leave as the close reaches them
         outputs.close(linger=2000)  # the last message goes out before the process does
         inputs.close(linger=0)
         ctx.term()
+    if not left:  # the group's teardown hung: the interpreter's exit would wait on it too
+        log.warning("engine core exits (code %d) without its tensor-parallel group's teardown", code)
+        logging.shutdown()
+        os._exit(code)
     return code
 
 

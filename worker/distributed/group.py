@@ -2,24 +2,33 @@
 and the step broadcast need. A process that never joins a group is rank 0 of 1, and every
 collective is then a no-op, so single-GPU and CPU code paths pay nothing.
 
-Two process groups: the device group (NCCL on GPUs, gloo on CPU) carries the model's all-reduces
-and the logits gather; a gloo group carries each step's scheduled inputs from rank 0, which are
-small Python objects and must not wait behind GPU work.
+Two process groups: the device group (NCCL on GPUs, gloo on CPU) carries the model's all-reduces,
+the logits gather and, under the lookahead, rank 0's sampled tokens; a gloo group carries each
+step's scheduled inputs from rank 0 (worker/engine/step_inputs.py), which must not wait behind
+GPU work.
 """
 
 from __future__ import annotations
 
 import datetime
+import logging
 import os
+import pickle
+import threading
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+log = logging.getLogger(__name__)
+
 # Followers wait for rank 0's next step for as long as the worker is idle; a dead rank 0 still
 # shows at once, as a closed connection.
 _IDLE_TIMEOUT = datetime.timedelta(days=365)
+# The step broadcast's fixed first message, in bytes: a pickled decode step of 256 sequences at
+# 1k tokens fits whole, and a step of one costs no more than with 16 KiB (benchmarks/tp_broadcast.py)
+FIRST_CHUNK = 1 << 16
 
 
 @dataclass
@@ -62,12 +71,36 @@ class TPGroup:
         return int(t.item())
 
     def broadcast_object(self, obj: Any = None) -> Any:
-        """Rank 0's ``obj`` on every rank (rank 0 passes it, the others receive it)."""
+        """Rank 0's ``obj`` on every rank (rank 0 passes it, the others receive it): pickled, its
+        length and first bytes in one broadcast of FIRST_CHUNK bytes on the CPU group, any rest in
+        a second (torch's broadcast_object_list always takes two, the length first)."""
         if self.size == 1:
             return obj
-        box = [obj]
-        dist.broadcast_object_list(box, src=0, group=self.cpu_group)
-        return box[0]
+        chunk = torch.empty(FIRST_CHUNK, dtype=torch.uint8)
+        if self.is_driver:
+            data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+            head = len(data).to_bytes(8, "little") + data[: FIRST_CHUNK - 8]
+            chunk[: len(head)] = torch.frombuffer(bytearray(head), dtype=torch.uint8)
+            dist.broadcast(chunk, src=0, group=self.cpu_group)
+            if len(data) > FIRST_CHUNK - 8:
+                dist.broadcast(torch.frombuffer(bytearray(data[FIRST_CHUNK - 8:]), dtype=torch.uint8), src=0,
+                               group=self.cpu_group)
+            return obj
+        dist.broadcast(chunk, src=0, group=self.cpu_group)
+        raw = chunk.numpy().tobytes()
+        n = int.from_bytes(raw[:8], "little")
+        if n <= FIRST_CHUNK - 8:
+            return pickle.loads(raw[8 : 8 + n])
+        rest = torch.empty(n - (FIRST_CHUNK - 8), dtype=torch.uint8)
+        dist.broadcast(rest, src=0, group=self.cpu_group)
+        return pickle.loads(raw[8:] + rest.numpy().tobytes())
+
+    def broadcast_device(self, x: torch.Tensor) -> torch.Tensor:
+        """Rank 0's device tensor ``x`` on every rank, in place: sampled tokens, on the device
+        group (NCCL on GPUs: queued on the device, the host does not wait)."""
+        if self.size > 1:
+            dist.broadcast(x, src=0, group=self.device_group)
+        return x
 
 
 _group = TPGroup()
@@ -98,8 +131,26 @@ def init_tp(rank: int, size: int, init_method: str, device: str, timeout_s: floa
     return _group
 
 
-def destroy_tp() -> None:
+def leave_tp(timeout_s: float = 10.0) -> bool:
+    """Leave the group with the other ranks, after rank 0's close: meet at a barrier on the CPU
+    group, then destroy the process groups all at once (a rank destroying NCCL alone, after the
+    others had gone, hung on GPUs). Each part waits at most ``timeout_s``. False when the destroy
+    did not finish: the process should then end with ``os._exit`` (the interpreter's exit would
+    wait on it too)."""
     global _group
-    if dist.is_initialized():
-        dist.destroy_process_group()
-    _group = TPGroup()
+    group, _group = _group, TPGroup()
+    if not dist.is_initialized():
+        return True
+    if group.cpu_group is not None:
+        try:
+            dist.monitored_barrier(group=group.cpu_group, timeout=datetime.timedelta(seconds=timeout_s))
+        except RuntimeError as exc:  # a rank that never came: destroy anyway, and say so
+            log.warning("tensor-parallel rank %d: the other ranks did not reach the teardown: %s", group.rank, exc)
+    destroyer = threading.Thread(target=dist.destroy_process_group, name="tp-destroy", daemon=True)
+    destroyer.start()
+    destroyer.join(timeout_s)
+    if destroyer.is_alive():
+        log.warning("tensor-parallel rank %d: destroying the process group took over %.0f s; leaving without it",
+                    group.rank, timeout_s)
+        return False
+    return True

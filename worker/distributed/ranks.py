@@ -53,16 +53,16 @@ def join_group(config: EngineConfig, rank: int, init_method: str) -> None:
     init_tp(rank, config.tensor_parallel_size, init_method, config.device)
 
 
-def run_rank(config: EngineConfig, rank: int, init_method: str) -> None:
-    """The whole life of rank ``rank`` > 0: join, load, follow; returns when rank 0 closes."""
-    from worker.distributed.group import destroy_tp
+def run_rank(config: EngineConfig, rank: int, init_method: str) -> bool:
+    """The whole life of rank ``rank`` > 0: join, load, follow; returns when rank 0 closes, once
+    every rank has left the group together (group.leave_tp: False when its teardown hung, and the
+    process should end with ``os._exit``)."""
+    from worker.distributed.group import leave_tp
     from worker.engine.llm_engine import follow
 
     join_group(config, rank, init_method)
-    try:
-        follow(config)
-    finally:
-        destroy_tp()
+    follow(config)
+    return leave_tp()
 
 
 def join_as_rank0(config: EngineConfig, init_method: str, dead_rank: Callable[[], str | None]) -> None:
@@ -137,7 +137,11 @@ class LocalRanks:
         return None
 
     def stop(self, timeout_s: float = 10.0) -> None:
-        """After rank 0's engine closed (the ranks leave their loop): wait for them, then make sure."""
+        """After rank 0's engine closed (the ranks leave their loop): where this process is rank 0
+        (benchmarks), leave the group together with them; then wait for them, and make sure."""
+        from worker.distributed.group import leave_tp
+
+        leave_tp(timeout_s)
         deadline = time.monotonic() + timeout_s
         for proc in self.procs:
             try:
@@ -145,9 +149,6 @@ class LocalRanks:
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
-        from worker.distributed.group import destroy_tp
-
-        destroy_tp()
 
 
 def dump_stacks_on_sigusr1() -> None:
@@ -171,11 +172,16 @@ def main(argv: list[str] | None = None) -> int:
     dump_stacks_on_sigusr1()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     try:
-        run_rank(EngineConfig(**json.loads(args.config)), args.rank, args.init_method)
+        clean = run_rank(EngineConfig(**json.loads(args.config)), args.rank, args.init_method)
     except Exception:
         log.exception("rank %d failed", args.rank)
-        return 1
-    return 0
+        clean, code = False, 1  # its group was never left: the interpreter's exit could wait on it
+    else:
+        code = 0
+    if not clean:
+        logging.shutdown()
+        os._exit(code)
+    return code
 
 
 if __name__ == "__main__":

@@ -54,9 +54,11 @@ class EngineConfig:
     # per token and KV head (kernels/kv_quant.py): about half a bf16 pool's bytes per token.
     kv_cache_dtype: str = "auto"
     # Weights stored and multiplied packed (W8A16 / W4A16): none, auto, int8 or int4 (QUANTIZATION_NAMES).
-    # int8/int4 quantize a float checkpoint at load (symmetric, a scale per group of input columns)
-    # and repack a quantized one; the LM head is int8 in both.
-    quantization: str = "none"
+    # auto (the default, as vLLM serves a GGUF, GPTQ or AWQ checkpoint): a quantized checkpoint
+    # packed as it ships, a float one as floats; none dequantizes. int8/int4 quantize a float
+    # checkpoint at load (a scale per group of input columns) and repack a quantized one; the LM
+    # head is int8 whenever anything is packed.
+    quantization: str = "auto"
     quantization_group_size: int = 128  # columns per scale (halved until it divides a layer's inputs)
     attention_backend: str = "auto"  # auto: triton on CUDA, torch elsewhere
     cuda_graphs: bool = True  # decode steps replay captured graphs (CUDA only)

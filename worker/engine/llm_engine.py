@@ -193,7 +193,7 @@ class LLMEngine:
     # --- the lookahead (module docstring) ----------------------------------------------------
 
     def _can_look_ahead(self, batch: list[ScheduledSeq]) -> bool:
-        return (self.config.async_scheduling and self.runner.tp.size == 1 and self.drafter is None
+        return (self.config.async_scheduling and self.drafter is None
                 and all(it.seq.params.logprobs is None for it in batch if it.samples)
                 and not any(_wants_prompt_logprobs(it.seq) for it in batch))
 

@@ -6,16 +6,17 @@ per layer, allocated once and handed to the model with each step's attention met
 Under tensor parallelism every rank has a runner over its share of the heads (and of the pool);
 rank 0 schedules and samples, the others follow:
 
-    rank 0:  batch -> prepare -> StepInputs --broadcast--> execute -> logits -> sample
+    rank 0:  batch -> prepare -> StepInputs --broadcast--> execute -> logits -> sample [-> tokens]
     rank r:                      StepInputs <-------------  execute (same collectives, same order)
 
 Every decision inside ``execute`` (graph or eager, which rows to sample) is a function of the
-StepInputs alone, so all ranks issue the same collectives in the same order.
+StepInputs alone, so all ranks issue the same collectives in the same order. Under the lookahead
+a step's input ids may be tokens rank 0 sampled on the device and nobody has read
+(``ahead_rows``): rank 0 broadcasts each such step's tokens on the device group once sampled
+(``share_tokens``), and the followers feed them to their next step as rank 0 does.
 """
 
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 import torch
 
@@ -26,6 +27,7 @@ from worker.engine.sampler import sample, sample_tokens, steer
 from worker.engine.structured_output import GrammarMask, grammar_mask
 from worker.engine.scheduler import ScheduledSeq
 from worker.engine.speculative import verify
+from worker.engine.step_inputs import PromptRows, StepInputs
 from kernels.kv_quant import KV_CACHE_DTYPES, is_quantized
 from worker.models.attention import AttentionBackend, AttentionMetadata, LayerKV, forward_context
 from worker.models.config import ModelConfig
@@ -74,37 +76,6 @@ def allocate_kv_pool(num_layers: int, num_blocks: int, block_size: int, kv_heads
                     scales()) for _ in range(num_layers)]
 
 
-@dataclass
-class StepInputs:
-    """One step as every rank needs it: plain lists, so it pickles small for the broadcast."""
-
-    input_ids: list[int]
-    positions: list[int]
-    slots: list[int]  # flat pool slot of each new token
-    query_start: list[int]
-    context_lens: list[int]
-    block_tables: list[list[int]]
-    num_decodes: int
-    sample_rows: list[int]  # rows of the flat batch whose logits are sampled
-    # The lookahead: rows of this step whose input id is a token the step before sampled and
-    # nobody has read (``ahead_rows``), and that token's index among the step before's tokens.
-    ahead_rows: list[int] | None = None
-    prev_rows: list[int] | None = None
-    # Prompt logprobs (params.prompt_logprobs): the rows scoring a prompt token, that token, how
-    # many rows each scheduled sequence has, and the most alternatives any of them wants.
-    prompt: PromptRows | None = None
-    # Decode rows of one sequence share the step (as_decode_rows): K/V stored before attention.
-    store_first: bool = False
-
-
-@dataclass
-class PromptRows:
-    rows: list[int]
-    targets: list[int]
-    counts: list[int]  # per scheduled sequence, in batch order
-    top: int
-
-
 class ModelRunner:
     def __init__(self, config: EngineConfig, model_cfg: ModelConfig, model: torch.nn.Module,
                  backend: AttentionBackend, num_blocks: int, max_model_len: int):
@@ -144,7 +115,7 @@ class ModelRunner:
         scheduled sequence the prompt logprobs this step computed. ``draft_probs``: per scheduled
         sequence its drafter's q (speculative.verify)."""
         inputs = self.prepare(batch)
-        self.tp.broadcast_object(inputs)
+        self.send(inputs)
         logits, prompt = self.execute(inputs)
         sampled = [None] * len(batch) if logits is None else self._sample(batch, logits, draft_probs)
         return sampled, prompt
@@ -196,7 +167,14 @@ class ModelRunner:
     def forward_ahead(self, inputs: StepInputs, prev_tokens: torch.Tensor | None = None) -> torch.Tensor | None:
         """``launch``'s forward alone: the logits of the sampled rows, enqueued, not read (None when
         no row samples). A batch with structured outputs samples them later (``sample_launched``),
-        once the matchers have taken the step before's tokens."""
+        once the matchers have taken the step before's tokens. Under TP rank 0 sends the step
+        first, and ``sample_launched`` shares its tokens with the followers (``follow``)."""
+        if self.tp.is_driver and self.tp.size > 1:
+            inputs.share_tokens = bool(inputs.sample_rows)
+            self.send(inputs)
+        return self._forward_ahead(inputs, prev_tokens)
+
+    def _forward_ahead(self, inputs: StepInputs, prev_tokens: torch.Tensor | None) -> torch.Tensor | None:
         ids = None
         if inputs.ahead_rows is not None:
             n, rows, prev = len(inputs.input_ids), inputs.ahead_rows, inputs.prev_rows
@@ -220,7 +198,10 @@ class ModelRunner:
         params = [s.params for s in samplers]
         steered = steer(logits, params, self._hold(samplers, counted), self._grammar(samplers))
         generators = [s.next_generator(logits.device, counted) for s in samplers]
-        return PendingTokens(sample_tokens(steered, params, generators))
+        tokens = sample_tokens(steered, params, generators)
+        if self.tp.size > 1:  # the followers' next lookahead step reads them (forward_ahead)
+            self.tp.broadcast_device(tokens)
+        return PendingTokens(tokens)
 
     @torch.inference_mode()
     def execute(self, inputs: StepInputs, ids: torch.Tensor | None = None
@@ -306,18 +287,32 @@ class ModelRunner:
         have taken every token so far: the engine never looks ahead past them)."""
         return grammar_mask([seq.matcher for seq in seqs], self.vocab_size)
 
+    def send(self, inputs: StepInputs | None) -> None:
+        """Rank 0: a step (None: the close) to the followers (TPGroup.broadcast_object)."""
+        if self.tp.size > 1:
+            self.tp.broadcast_object(inputs)
+
+    @torch.inference_mode()
     def follow(self) -> None:
-        """Ranks > 0: run the steps rank 0 broadcasts until it broadcasts None (``close``); their
-        logits and prompt logprobs go unread (rank 0 samples)."""
+        """Ranks > 0: run the steps rank 0 sends until it sends the close (``close``); their logits
+        and prompt logprobs go unread (rank 0 samples). A lookahead step's ``ahead_rows`` read the
+        tokens rank 0 shared after sampling the step before (``share_tokens``)."""
         assert not self.tp.is_driver
+        prev_tokens = None
         while (inputs := self.tp.broadcast_object()) is not None:
-            self.execute(inputs)
+            if inputs.ahead_rows is not None:
+                self._forward_ahead(inputs, prev_tokens)
+            else:
+                self.execute(inputs)
+            if inputs.share_tokens:
+                prev_tokens = self.tp.broadcast_device(
+                    torch.empty(len(inputs.sample_rows), dtype=torch.long, device=self.device))
 
     def close(self) -> None:
         """Rank 0: release the followers (they return from ``follow``). Idempotent."""
         if self.tp.is_driver and not self._closed:
             self._closed = True
-            self.tp.broadcast_object(None)
+            self.send(None)
 
     def _sample(self, batch: list[ScheduledSeq], logits: torch.Tensor,
                 draft_probs: list[torch.Tensor | None] | None = None) -> list:
