@@ -301,13 +301,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rate", type=float, default=None, help="Poisson arrivals in req/s (default: all at t=0)")
     ap.add_argument("--max-num-seqs", type=int, default=DEFAULT_MAX_NUM_SEQS)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--quantization", default="none",
+                    help="weights: none (the GGUF dequantized, as recorded) or auto (packed, the serving default)")
     ap.add_argument("--out", help="write the results as JSON here")
     args = ap.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0, ignore_eos=True)
 
     t = time.monotonic()
-    base = LLMEngine(EngineConfig(model=args.model, enable_prefix_caching=False))
+    base = LLMEngine(EngineConfig(model=args.model, quantization=args.quantization, enable_prefix_caching=False))
     print(f"model loaded in {time.monotonic() - t:.1f}s", file=sys.stderr)
     bw_start = copy_bandwidth_gbs()
     workload = build_workload(base, args.requests, args.rate, args.seed)
@@ -316,7 +318,8 @@ def main(argv: list[str] | None = None) -> int:
     num_blocks = sum(bs.blocks_needed(len(r.prompt_ids) + args.max_tokens) for r in workload) + 4
 
     def engine(**overrides) -> LLMEngine:
-        return LLMEngine(EngineConfig(model=args.model, num_kv_blocks=num_blocks, **overrides),
+        return LLMEngine(EngineConfig(model=args.model, quantization=args.quantization, num_kv_blocks=num_blocks,
+                                      **overrides),
                          tokenizer=base.tokenizer, model=base.model)
 
     # Warm up every kernel path outside any measurement (the first prefill costs seconds more than

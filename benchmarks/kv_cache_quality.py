@@ -205,14 +205,17 @@ def main() -> None:
     ap.add_argument("--tail", type=int, default=512, help="long prompts: score the last this many tokens")
     ap.add_argument("--max-num-batched-tokens", type=int, default=512)
     ap.add_argument("--kv-cache-mib", type=int, default=1024)
+    ap.add_argument("--quantization", default="none",
+                    help="weights: none (the GGUF dequantized, as recorded) or auto (packed, the serving default)")
     ap.add_argument("--json", help="write the results here")
     args = ap.parse_args()
     if "auto" not in args.kv_dtypes:
         args.kv_dtypes.insert(0, "auto")  # the reference
 
     t_start = time.monotonic()
-    common = dict(model=args.model, max_num_batched_tokens=args.max_num_batched_tokens,
-                  kv_cache_bytes=args.kv_cache_mib * 2**20, enable_prefix_caching=False)
+    common = dict(model=args.model, quantization=args.quantization,
+                  max_num_batched_tokens=args.max_num_batched_tokens, kv_cache_bytes=args.kv_cache_mib * 2**20,
+                  enable_prefix_caching=False)
     base = LLMEngine(EngineConfig(**common))
     prompts = build_prompts(base, args)
     configs = [(f"kv {d}", dict(kv_cache_dtype=d), args.parts) for d in args.kv_dtypes]

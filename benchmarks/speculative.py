@@ -72,6 +72,8 @@ def main() -> None:
     ap.add_argument("--tokenizer", default=None)
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--quantization", default="none",
+                    help="weights: none (the GGUF dequantized, as recorded) or auto (packed, the serving default)")
     ap.add_argument("--workloads", nargs="+", default=["code", "chat"])
     ap.add_argument("--batches", nargs="+", type=int, default=[1, 8])
     ap.add_argument("--speculative", nargs="+", default=["ngram"])
@@ -83,6 +85,7 @@ def main() -> None:
 
     rows = [json.loads(line) for line in DATA.read_text().splitlines() if line.strip()]
     base_cfg = dict(model=args.model, tokenizer=args.tokenizer, device=args.device, dtype=args.dtype,
+                    quantization=args.quantization,
                     kv_cache_bytes=1 << 30, max_num_seqs=max(args.batches))
     plain = LLMEngine(EngineConfig(**base_cfg))
     engines = {"none": plain}

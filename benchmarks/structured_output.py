@@ -96,10 +96,12 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--quantization", default="none",
+                    help="weights: none (the GGUF dequantized, as recorded) or auto (packed, the serving default)")
     ap.add_argument("--tokenizer", default=None, help="for dummy: models (a tokenizer folder)")
     args = ap.parse_args()
     engine = LLMEngine(EngineConfig(model=args.model, max_num_seqs=max(args.batches), device=args.device,
-                                    dtype=args.dtype, tokenizer=args.tokenizer))
+                                    dtype=args.dtype, quantization=args.quantization, tokenizer=args.tokenizer))
     so = StructuredOutput("json_schema", json.dumps(SCHEMA))
     start = time.perf_counter()
     engine.grammars.matcher(so)
