@@ -59,6 +59,17 @@ WIDE_MIN_PROGRAMS_PER_SM = 8
 # 128 tokens, 4 warps, 3 stages best for both fp8 and int8: fp8 0.301 ms, against 0.428 ms with
 # DECODE_NARROW, which that grid would otherwise get.
 DECODE_QUANT = (128, 4, 3)
+# With a bf16 q over an int8/fp8 pool, decode runs its dots on fp16 operands: q converted once a
+# program, each K/V element straight to fp16 (e4m3 -> fp16 is one cvt per two elements on Hopper;
+# to bf16 it goes through fp16), p * scale rounded to fp16; accumulation stays fp32. Exact for the
+# K/V bytes (int8 and e4m3 values are fp16 values) and for q with 2^-14 <= |q| <= 65504 (a bf16
+# value in that range is an fp16 value; smaller ones lose bits, larger ones overflow). The
+# assumption: a real model's q stays far below 65504 (Llama-style q, after RoPE, in the tens to
+# hundreds). p * scale under 2^-14 rounds as an fp16 subnormal: an absolute error under 2^-25 of
+# a V scale's unit, negligible against the sum (l >= 1). False: the operands are q's dtype.
+# H200, batch 64 x 4,096 tokens (docs/BENCHMARKS.md): fp8 0.255 ms against 0.286 with bf16
+# operands, int8 0.282 against 0.285.
+DECODE_QUANT_FP16_DOTS = True
 # Prefill tiles as swept on an H100 (benchmarks/kernels_gpu.py --sweep-prefill, 54 configs): a Q tile
 # of 64 rows (16 tokens x 4 heads), 64 keys a step, 2 stages took an 8,192-token admission step
 # in 0.241 ms a layer and 4 x 512 tokens after cached prefixes in 0.232 ms, against 0.270 / 0.267
@@ -128,6 +139,7 @@ def _decode_kernel(
     NUM_SPLITS: tl.constexpr, HAS_ORDER: tl.constexpr, ROPE_STORE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     KV_QMAX: tl.constexpr,  # 0: a float pool; else an int8/fp8 pool's QMAX
+    FP16_DOTS: tl.constexpr,  # KV_QMAX > 0: q (and so the tiles' operands) in fp16, see DECODE_QUANT_FP16_DOTS
     USE_PDL: tl.constexpr,
 ):
     wait_for_producer(USE_PDL)
@@ -185,6 +197,8 @@ def _decode_kernel(
         tiles_end = tl.minimum(end, ctx - 1)
     else:
         tiles_end = end
+    if FP16_DOTS:  # _attend_tile converts K, V and p * scale to q's dtype; the new token below follows
+        q = q.to(tl.float16)
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
@@ -448,6 +462,7 @@ def paged_decode_attention(
         BLOCK_N=block_n if block_d <= 128 else block_n // 2,  # K/V stages in shared memory
         NUM_SPLITS=num_splits, HAS_ORDER=order is not None, ROPE_STORE=rope_store is not None,
         DOT_PRECISION=_dot_precision(q.dtype), KV_QMAX=qmax,
+        FP16_DOTS=bool(qmax) and DECODE_QUANT_FP16_DOTS and q.dtype == torch.bfloat16,
         num_warps=num_warps, num_stages=num_stages, **pdl,
     )
     if num_splits > 1:

@@ -304,6 +304,41 @@ def test_decode_and_prefill_fp16_over_a_quantized_pool(cache_dtype):
     torch.testing.assert_close(got, want, atol=2e-3, rtol=2e-3)
 
 
+BF16_ATOL, BF16_RTOL = 1e-3, 2e-2  # bf16 outputs: rounding to 8 bits, and near-zero outputs
+
+
+@pytest.mark.parametrize("cache_dtype", QUANT_DTYPES)
+def test_decode_bf16_over_a_quantized_pool_with_fp16_dots(monkeypatch, cache_dtype):
+    # A bf16 q with DECODE_QUANT_FP16_DOTS: q converted to fp16 once, K/V straight to fp16, p * scale
+    # rounded to fp16, fp32 accumulation; within bf16's rounding of the reference, also with the new
+    # token rotated, stored and attended in the same launch. (The bf16-operand variant cannot be
+    # checked here: Triton's interpreter gets bf16 dots wrong, a bf16 pool's decode included.)
+    from kernels import rotary_embedding_ref
+
+    monkeypatch.setattr(paged_attention, "DECODE_QUANT_FP16_DOTS", True)
+    context_lens = [50, 0, 17, 3]
+    k_cache, v_cache, kv_scales = quantized_pool(16, 16, 2, 32, cache_dtype)
+    tables, ctx, positions, slots = _decode_step(context_lens, 16, 16)
+    q = (4 * torch.randn(len(context_lens), 4, 32)).bfloat16()
+    want = paged_decode_attention_ref(q, k_cache, v_cache, tables, ctx, 32**-0.5, kv_scales=kv_scales)
+    for num_splits in (1, 4):
+        got = paged_decode_attention(q, k_cache, v_cache, tables, ctx, 32**-0.5, num_splits=num_splits,
+                                     kv_scales=kv_scales)
+        torch.testing.assert_close(got, want, atol=BF16_ATOL, rtol=BF16_RTOL)
+    k, v = torch.randn(2, len(context_lens), 2, 32).bfloat16()
+    cos = torch.tensor([1.0, 0.0, -1.0, 0.0]).repeat(16)[:, None].expand(64, 32).contiguous()
+    sin = torch.tensor([0.0, 1.0, 0.0, -1.0]).repeat(16)[:, None].expand(64, 32).contiguous()
+    want_pool = (k_cache.clone(), v_cache.clone(), tuple(s.clone() for s in kv_scales))
+    rope = (positions, k, v, cos, sin, slots)
+    got = paged_decode_attention(q, k_cache, v_cache, tables, ctx, 32**-0.5, rope_store=rope, kv_scales=kv_scales)
+    want = paged_decode_attention_ref(q, want_pool[0], want_pool[1], tables, ctx, 32**-0.5, rope_store=rope,
+                                      kv_scales=want_pool[2])
+    torch.testing.assert_close(got, want, atol=BF16_ATOL, rtol=BF16_RTOL)
+    q_rot, _ = rotary_embedding_ref(positions, q, k, cos, sin)
+    torch.testing.assert_close(got, paged_decode_attention(q_rot, k_cache, v_cache, tables, ctx, 32**-0.5,
+                                                           kv_scales=kv_scales), atol=BF16_ATOL, rtol=BF16_RTOL)
+
+
 @QUANT_TILES
 @pytest.mark.parametrize("num_splits", [1, 3])
 @pytest.mark.parametrize("cache_dtype", QUANT_DTYPES)
