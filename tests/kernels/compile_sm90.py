@@ -70,6 +70,8 @@ def _decode_args(splits: int, block_n: int = paged_attention.DECODE_BLOCK_N, poo
         stride_bt="i32", stride_ob="i32", stride_oh="i32", NUM_HEADS=C(32), GROUP=C(4), BLOCK_G=C(16),
         HEAD_DIM=C(128), BLOCK_D=C(128), BLOCK_SIZE=C(16), BLOCK_N=C(block_n),
         NUM_SPLITS=C(splits), DOT_PRECISION=C("tf32"),
+        # as paged_decode_attention launches a bf16 q over a quantized pool
+        FP16_DOTS=C(bool(POOLS[pool]) and paged_attention.DECODE_QUANT_FP16_DOTS),
     )
 
 

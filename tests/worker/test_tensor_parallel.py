@@ -362,6 +362,25 @@ def test_the_lookahead_under_tp_matches_tp1_and_every_rank_leaves_together(in_pr
     engine.runner.forward_ahead = lambda *a, **kw: launched.append(1) or forward_ahead(*a, **kw)
     assert engine.generate(prompts, params) == expected
     assert len(launched) > 20  # the steps went through the lookahead, not the plain path
+    # A sampling that fails on rank 0 fails its step's requests; the followers, which wait for
+    # that step's tokens, are released, and the next requests are served as before.
+    grammar, calls = engine.runner._grammar, []
+
+    def failing_once(seqs):
+        calls.append(1)
+        if len(calls) == 5:
+            raise RuntimeError("injected sampling fault")
+        return grammar(seqs)
+
+    engine.runner._grammar = failing_once
+    ids = [engine.add_request(p, sp) for p, sp in zip(prompts, params)]
+    reasons = {}
+    while engine.has_unfinished():
+        reasons.update({o.request_id: o.finish_reason for o in engine.step() if o.finished})
+    assert "error" in reasons.values() and set(reasons) == set(ids)
+    engine.runner._grammar = grammar
+    assert engine.generate(prompts, params) == expected
+    assert engine.block_manager.num_used_blocks == 0  # the failed requests freed theirs
     engine.close()
     t0 = time.monotonic()
     ranks.stop()

@@ -196,9 +196,16 @@ class ModelRunner:
         if logits is None:  # prefill chunks only: nothing samples
             return PendingTokens(torch.empty(0, dtype=torch.long, device=self.device))
         params = [s.params for s in samplers]
-        steered = steer(logits, params, self._hold(samplers, counted), self._grammar(samplers))
-        generators = [s.next_generator(logits.device, counted) for s in samplers]
-        tokens = sample_tokens(steered, params, generators)
+        try:
+            steered = steer(logits, params, self._hold(samplers, counted), self._grammar(samplers))
+            generators = [s.next_generator(logits.device, counted) for s in samplers]
+            tokens = sample_tokens(steered, params, generators)
+        except BaseException:
+            # The followers wait for this step's tokens: send placeholders (the engine fails the
+            # step's requests, so no later step reads them) rather than leave them waiting.
+            if self.tp.size > 1:
+                self.tp.broadcast_device(torch.zeros(logits.shape[0], dtype=torch.long, device=logits.device))
+            raise
         if self.tp.size > 1:  # the followers' next lookahead step reads them (forward_ahead)
             self.tp.broadcast_device(tokens)
         return PendingTokens(tokens)
