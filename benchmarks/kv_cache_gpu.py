@@ -3,6 +3,7 @@ time per byte of live KV, for each --kv-cache-dtype in the same run.
 
     python benchmarks/kv_cache_gpu.py --tokenizer .tok [--dtypes auto fp8 int8] [--kv-gib 8]
         [--requests 128] [--prompt 3000 4000] [--output 256] [--out results.json]
+    python benchmarks/kv_cache_gpu.py --decode-operands [--rounds 3] [--out results.json]
 
 Model: dummy:llama-3.1-8b in bf16 (random weights, loaded once and shared by the engines).
 (1) Capacity: bytes per KV block and tokens per GiB, and the blocks the engine's own sizing
@@ -13,7 +14,8 @@ Model: dummy:llama-3.1-8b in bf16 (random weights, loaded once and shared by the
     max_num_seqs, bounds the running batch. Output tok/s, wall time, preemptions, mean batch.
 (3) Decode attention alone (kernels.paged_decode_attention): batch 64 x 4,096-token contexts,
     32 query / 8 KV heads of 128: ms per call and live KV bytes read per second, against the
-    measured copy bandwidth.
+    measured copy bandwidth. --decode-operands: only this, each quantized pool with its dots on
+    bf16 and on fp16 operands (paged_attention.DECODE_QUANT_FP16_DOTS), interleaved over --rounds.
 """
 
 from __future__ import annotations
@@ -80,6 +82,25 @@ def decode_attention(name: str, device, batch=64, ctx=4096, heads=32, kv_heads=8
     return {"ms": ms, "live_kv_bytes": live, "gb_per_s": live / ms / 1e6}
 
 
+def decode_operands(dtypes: list[str], device, rounds: int) -> dict:
+    """(3) per dtype, and for a quantized pool per dot operand dtype, interleaved over ``rounds``."""
+    from kernels import paged_attention as pa
+
+    saved = pa.DECODE_QUANT_FP16_DOTS
+    out: dict[str, list] = {}
+    for r in range(rounds):
+        for name in dtypes:
+            for fp16 in ((False, True) if name != "auto" else (False,)):
+                pa.DECODE_QUANT_FP16_DOTS = fp16
+                key = f"{name} {'fp16' if fp16 else 'bf16'} operands"
+                res = out.setdefault(key, [])
+                res.append(decode_attention(name, device))
+                torch.cuda.empty_cache()
+                print(f"  round {r} {key:20s} {res[-1]['ms']:.3f} ms {res[-1]['gb_per_s']:.0f} GB/s", flush=True)
+    pa.DECODE_QUANT_FP16_DOTS = saved
+    return out
+
+
 def sweep_decode(dtypes: list[str], device) -> dict:
     """Decode attention at each (tokens a step, warps, stages) for each dtype: the module's tile
     globals set per config, as the engine would run it (a float pool: the narrow config at this grid
@@ -128,7 +149,7 @@ def workload(engine: LLMEngine, prompts: list[list[int]], output: int) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--tokenizer", required=True, help="a tokenizer folder for the dummy model")
+    ap.add_argument("--tokenizer", help="a tokenizer folder for the dummy model (the engine parts)")
     ap.add_argument("--dtypes", nargs="+", default=["auto", "fp8", "int8"])
     ap.add_argument("--kv-gib", type=float, default=8.0, help="KV pool bytes of the workload, the same for every dtype")
     ap.add_argument("--requests", type=int, default=128)
@@ -137,6 +158,9 @@ def main() -> None:
     ap.add_argument("--max-num-seqs", type=int, default=128)
     ap.add_argument("--skip-workload", action="store_true")
     ap.add_argument("--sweep-decode", action="store_true", help="only: decode attention's tile configs per dtype")
+    ap.add_argument("--decode-operands", action="store_true",
+                    help="only: decode attention per dtype, a quantized pool's dots on bf16 and on fp16 operands")
+    ap.add_argument("--rounds", type=int, default=3, help="with --decode-operands")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     device = torch.device("cuda")
@@ -144,11 +168,16 @@ def main() -> None:
                      "copy_gb_s": copy_bandwidth() / 1e9}
     print(f"{results['device']}: copy {results['copy_gb_s']:.0f} GB/s", flush=True)
 
-    if args.sweep_decode:
-        results["sweep"] = sweep_decode(args.dtypes, device)
+    if args.sweep_decode or args.decode_operands:
+        if args.sweep_decode:
+            results["sweep"] = sweep_decode(args.dtypes, device)
+        else:
+            results["decode_operands"] = decode_operands(args.dtypes, device, args.rounds)
         if args.out:
             Path(args.out).write_text(json.dumps(results, indent=1))
         return
+    if not args.tokenizer:
+        ap.error("--tokenizer is needed for the engine parts")
     print("(3) decode attention, batch 64 x 4096 tokens, 32/8 heads of 128")
     results["decode_attention"] = {}
     for name in args.dtypes:
