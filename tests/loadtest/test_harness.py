@@ -189,8 +189,11 @@ def test_the_time_bound_stops_a_run(serve: Serve, protocol: str) -> None:
     assert time.monotonic() - t0 < 4
     summary = result.summary()
     assert summary["stopped_by"] == "max_duration_s" and 1.5 <= result.duration_s < 4
-    assert summary["requests"]["sent"] < 1000 and summary["requests"]["cut_off"] == 2  # 512 tokens take longer
-    assert summary["requests"]["errors"] == 0
+    # 512 tokens take longer than the bound: what is in flight then is cut off (both users' requests,
+    # unless one finished first: a CI run on a loaded box once saw one of the two end before it)
+    statuses = [r.status for r in result.records]
+    assert summary["requests"]["sent"] < 1000 and summary["requests"]["cut_off"] >= 1, statuses
+    assert summary["requests"]["errors"] == 0, statuses
     assert all(r.status == CUT_OFF and r.e2e_s is None for r in result.records if not r.ok)
     assert serve.idle_within(10)  # the cut-off requests were cancelled on the server too
 
