@@ -94,14 +94,17 @@ def record(args) -> None:
                                     quantization=args.quantization, speculative="ngram", num_speculative_tokens=8))
     # --traces: an earlier record's answers (greedy answers move little with the weights' form;
     # the replay then prices them with this configuration's step times)
-    traces = json.loads(Path(args.traces).read_text())["traces"] if args.traces else []
-    for row in rows if not traces else []:
-        prompt = engine.tokenize(messages=[{"role": "user", "content": row["prompt"]}])
-        engine.block_manager.reset_prefix_cache()
-        answer = engine.generate([prompt], SamplingParams(max_tokens=args.max_tokens, temperature=0,
-                                                          speculative=False))[0]
-        traces.append({"workload": row["workload"], "prompt": prompt, "answer": answer})
-        print(f"{row['workload']}: {len(prompt)} prompt tokens, {len(answer)} answer tokens", flush=True)
+    if args.traces:
+        traces = json.loads(Path(args.traces).read_text())["traces"]
+    else:
+        traces = []
+        for row in rows:
+            prompt = engine.tokenize(messages=[{"role": "user", "content": row["prompt"]}])
+            engine.block_manager.reset_prefix_cache()
+            answer = engine.generate([prompt], SamplingParams(max_tokens=args.max_tokens, temperature=0,
+                                                              speculative=False))[0]
+            traces.append({"workload": row["workload"], "prompt": prompt, "answer": answer})
+            print(f"{row['workload']}: {len(prompt)} prompt tokens, {len(answer)} answer tokens", flush=True)
     # Step times by rows: an n-gram run at k = 8 that never backs off, on the code prompts.
     backoff = llm_engine.SPEC_MISSES_BEFORE_BACKOFF
     llm_engine.SPEC_MISSES_BEFORE_BACKOFF = 10**9

@@ -30,7 +30,7 @@ import torch.multiprocessing as mp
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from worker.distributed import group as tp_group  # noqa: E402
-from worker.engine.step_inputs import StepInputs  # noqa: E402
+from worker.engine.model_runner import StepInputs  # noqa: E402
 
 BLOCK = 16
 

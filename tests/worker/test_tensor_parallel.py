@@ -299,7 +299,7 @@ def test_the_step_broadcast_carries_small_and_large_steps_whole():
 
     from worker.distributed.group import FIRST_CHUNK, init_tp, leave_tp
     from worker.distributed.ranks import free_port
-    from worker.engine.step_inputs import PromptRows, StepInputs
+    from worker.engine.model_runner import PromptRows, StepInputs
 
     big = list(range(3 * FIRST_CHUNK))  # pickles past the first chunk
     objects = [StepInputs([5, 6], [10, 11], [170, 171], [0, 1, 2], [11, 12], [[10], [2]], 2, [0, 1],

@@ -4,8 +4,8 @@ collective is then a no-op, so single-GPU and CPU code paths pay nothing.
 
 Two process groups: the device group (NCCL on GPUs, gloo on CPU) carries the model's all-reduces,
 the logits gather and, under the lookahead, rank 0's sampled tokens; a gloo group carries each
-step's scheduled inputs from rank 0 (worker/engine/step_inputs.py), which must not wait behind
-GPU work.
+step's scheduled inputs from rank 0 (model_runner.StepInputs, pickled), which must not wait
+behind GPU work.
 """
 
 from __future__ import annotations
@@ -77,23 +77,24 @@ class TPGroup:
         if self.size == 1:
             return obj
         chunk = torch.empty(FIRST_CHUNK, dtype=torch.uint8)
+        buf = chunk.numpy()  # the same memory: written and read without copies
+        head = FIRST_CHUNK - 8
         if self.is_driver:
             data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
-            head = len(data).to_bytes(8, "little") + data[: FIRST_CHUNK - 8]
-            chunk[: len(head)] = torch.frombuffer(bytearray(head), dtype=torch.uint8)
+            buf[:8] = memoryview(len(data).to_bytes(8, "little"))
+            buf[8 : 8 + min(len(data), head)] = memoryview(data)[:head]
             dist.broadcast(chunk, src=0, group=self.cpu_group)
-            if len(data) > FIRST_CHUNK - 8:
-                dist.broadcast(torch.frombuffer(bytearray(data[FIRST_CHUNK - 8:]), dtype=torch.uint8), src=0,
+            if len(data) > head:
+                dist.broadcast(torch.frombuffer(bytearray(data[head:]), dtype=torch.uint8), src=0,
                                group=self.cpu_group)
             return obj
         dist.broadcast(chunk, src=0, group=self.cpu_group)
-        raw = chunk.numpy().tobytes()
-        n = int.from_bytes(raw[:8], "little")
-        if n <= FIRST_CHUNK - 8:
-            return pickle.loads(raw[8 : 8 + n])
-        rest = torch.empty(n - (FIRST_CHUNK - 8), dtype=torch.uint8)
+        n = int.from_bytes(buf[:8].tobytes(), "little")
+        if n <= head:
+            return pickle.loads(buf[8 : 8 + n])
+        rest = torch.empty(n - head, dtype=torch.uint8)
         dist.broadcast(rest, src=0, group=self.cpu_group)
-        return pickle.loads(raw[8:] + rest.numpy().tobytes())
+        return pickle.loads(buf[8:].tobytes() + rest.numpy().tobytes())
 
     def broadcast_device(self, x: torch.Tensor) -> torch.Tensor:
         """Rank 0's device tensor ``x`` on every rank, in place: sampled tokens, on the device

@@ -18,6 +18,8 @@ a step's input ids may be tokens rank 0 sampled on the device and nobody has rea
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from worker.distributed.group import get_tp
@@ -27,7 +29,6 @@ from worker.engine.sampler import sample, sample_tokens, steer
 from worker.engine.structured_output import GrammarMask, grammar_mask
 from worker.engine.scheduler import ScheduledSeq
 from worker.engine.speculative import verify
-from worker.engine.step_inputs import PromptRows, StepInputs
 from kernels.kv_quant import KV_CACHE_DTYPES, is_quantized
 from worker.models.attention import AttentionBackend, AttentionMetadata, LayerKV, forward_context
 from worker.models.config import ModelConfig
@@ -74,6 +75,40 @@ def allocate_kv_pool(num_layers: int, num_blocks: int, block_size: int, kv_heads
 
     return [LayerKV(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device),
                     scales()) for _ in range(num_layers)]
+
+
+@dataclass
+class StepInputs:
+    """One step as every rank needs it: plain lists, so it pickles small for the broadcast."""
+
+    input_ids: list[int]
+    positions: list[int]
+    slots: list[int]  # flat pool slot of each new token
+    query_start: list[int]
+    context_lens: list[int]
+    block_tables: list[list[int]]
+    num_decodes: int
+    sample_rows: list[int]  # rows of the flat batch whose logits are sampled
+    # The lookahead: rows of this step whose input id is a token the step before sampled and
+    # nobody has read (``ahead_rows``), and that token's index among the step before's tokens.
+    ahead_rows: list[int] | None = None
+    prev_rows: list[int] | None = None
+    # Prompt logprobs (params.prompt_logprobs): the rows scoring a prompt token, that token, how
+    # many rows each scheduled sequence has, and the most alternatives any of them wants.
+    prompt: PromptRows | None = None
+    # Decode rows of one sequence share the step (as_decode_rows): K/V stored before attention.
+    store_first: bool = False
+    # Under TP with the lookahead: rank 0 broadcasts this step's sampled tokens on the device
+    # group after sampling them, so followers can feed the next step's ``ahead_rows``.
+    share_tokens: bool = False
+
+
+@dataclass
+class PromptRows:
+    rows: list[int]
+    targets: list[int]
+    counts: list[int]  # per scheduled sequence, in batch order
+    top: int
 
 
 class ModelRunner:
