@@ -39,7 +39,7 @@ import random
 import sys
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import yaml
@@ -48,6 +48,7 @@ from loadtest.tasks import Task, TaskFileError, load_tasks, score
 from protos import kvcascade_pb2 as pb
 from router.cascade_config import CascadeConfig, CascadeConfigError, load_cascade
 from router.confidence import MEASURES, create_measure
+from router.prompt_router import PromptRouter, cross_fit
 
 TOP_LOGPROBS = 20  # asked of every tier and judge, so every measure can be replayed
 
@@ -64,14 +65,21 @@ class Setting:
     judge_measure: str | None = None  # None: no judge
     judge_threshold: float | None = None
     floor: float | None = None  # below it (own measure), escalate unjudged
+    route_threshold: float | None = None  # the prompt router's score below which the tier is skipped
 
     @property
     def family(self) -> str:
+        route = "route + " if self.route_threshold is not None else ""
         if self.judge_measure is None:
-            return f"own {self.measure}"
+            return f"{route}own {self.measure}"
         if self.threshold is None and self.floor is None:
-            return f"judge {self.judge_measure}"
-        return f"own {self.measure} + judge {self.judge_measure}"
+            return f"{route}judge {self.judge_measure}"
+        return f"{route}own {self.measure} + judge {self.judge_measure}"
+
+    def skips(self, answer: dict) -> bool:
+        """The prompt router sends this task on before the tier runs (``answer["route"]``: its score)."""
+        return self.route_threshold is not None and answer.get("route") is not None \
+            and answer["route"] < self.route_threshold
 
 
 def _surer(measure: str, value: float, bar: float) -> bool:
@@ -115,6 +123,8 @@ def replay(runs: dict, idx: Sequence[int], settings: Sequence[Setting]) -> dict:
     for k in idx:
         for i, tier in enumerate(tiers):
             ans = tier["answers"][k]
+            if i < len(tiers) - 1 and settings[i].skips(ans):
+                continue
             reached[i] += 1
             compute += _cost(tier, k)
             if i == len(tiers) - 1:
@@ -135,9 +145,11 @@ def replay(runs: dict, idx: Sequence[int], settings: Sequence[Setting]) -> dict:
             "judged": judged / n, "settings": [asdict(s) for s in settings]}
 
 
-def oracle(runs: dict, idx: Sequence[int]) -> dict:
+def oracle(runs: dict, idx: Sequence[int], before: bool = False) -> dict:
     """The bound no measure can beat: each task answered by the first tier that gets it right, or
-    by the first tier when none does, with no judging: what a router that knew the answers would pay."""
+    by the first tier when none does, with no judging: what a router that knew the answers would
+    pay, running every tier before that one (or, ``before``, deciding before any runs: the bound
+    of a prompt router)."""
     tiers = runs["tiers"]
     right = compute = 0.0
     last_share = 0
@@ -145,7 +157,7 @@ def oracle(runs: dict, idx: Sequence[int]) -> dict:
         answering = next((i for i, t in enumerate(tiers) if t["answers"][k]["correct"]), 0)
         right += tiers[answering]["answers"][k]["correct"]
         last_share += answering == len(tiers) - 1
-        compute += sum(_cost(tier, k) for tier in tiers[: answering + 1])
+        compute += sum(_cost(tier, k) for tier in tiers[answering if before else 0: answering + 1])
     return {"accuracy": right / len(idx), "compute": compute / _last_alone(runs, idx),
             "last_tier_share": last_share / len(idx), "judged": 0.0}
 
@@ -168,8 +180,20 @@ def _quantiles(values: list[float], n: int) -> list[float]:
 
 def candidates(runs: dict, tier: int, idx: Sequence[int], grid: int, exact: bool = True) -> list[Setting]:
     """Settings worth trying for ``tier`` (module docstring, step 2); ``exact``: every distinct
-    threshold for the one-parameter families (else ``grid`` quantiles, as for the combined one)."""
+    threshold for the one-parameter families (else ``grid`` quantiles, as for the combined one).
+    With prompt-router scores (``route``), each own-measure and judge setting also with the router
+    in front at each of ``grid`` quantiles of its scores."""
     answers = [runs["tiers"][tier]["answers"][k] for k in idx]
+    out = _unrouted(answers, grid, exact)
+    routes = [a["route"] for a in answers if a.get("route") is not None]
+    if routes:
+        plain = [s for s in out if s.floor is None]  # own or judge alone: the combined ones are many
+        for r in _quantiles(routes, grid)[1:]:  # the lowest skips nothing: that is the plain setting
+            out += [replace(s, route_threshold=r) for s in plain]
+    return out
+
+
+def _unrouted(answers: list[dict], grid: int, exact: bool) -> list[Setting]:
     out: list[Setting] = []
     never = {m: (math.inf if MEASURES[m].higher_is_surer else -math.inf) for m in MEASURES}
     for m in MEASURES:
@@ -207,13 +231,34 @@ def search(runs: dict, calib: Sequence[int], target: float, grid: int) -> tuple[
     return min(points, key=lambda p: (-p["accuracy"], p["compute"])), points, goal
 
 
-def calibrate(runs: dict, target: float, split: float, seed: int, grid: int) -> dict:
-    """Pick on the calibration split, report on the held-out one (module docstring, step 3)."""
+def attach_routes(runs: dict, calib: Sequence[int], held: Sequence[int], seed: int) -> list[PromptRouter]:
+    """Every tier but the last gets a prompt router trained on the calibration split; each answer
+    its score (``route``): cross-fitted on the calibration split (so thresholds are picked on
+    scores of prompts the router did not learn from), from the trained router on the held-out one."""
+    prompts = [t["prompt"] for t in runs["tasks"]]
+    routers = []
+    for tier in runs["tiers"][:-1]:
+        answers = tier["answers"]
+        texts, right = [prompts[k] for k in calib], [bool(answers[k]["correct"]) for k in calib]
+        for k, score in zip(calib, cross_fit(texts, right, seed=seed)):
+            answers[k]["route"] = score
+        router = PromptRouter.train(texts, right)
+        for k in held:
+            answers[k]["route"] = router.score(prompts[k])
+        routers.append(router)
+    return routers
+
+
+def calibrate(runs: dict, target: float, split: float, seed: int, grid: int, route: bool = True) -> dict:
+    """Pick on the calibration split, report on the held-out one (module docstring, step 3);
+    ``route``: with prompt routers in front of the tiers as candidates too (their weights in the
+    result's ``routers``)."""
     n = len(runs["tasks"])
     order = list(range(n))
     random.Random(seed).shuffle(order)
     cut = max(1, min(n - 1, round(n * split)))
     calib, held = sorted(order[:cut]), sorted(order[cut:])
+    routers = attach_routes(runs, calib, held, seed) if route else []
     best, points, goal = search(runs, calib, target, grid)
     # The held-out curve of each family: its settings' cheapest points, cost against accuracy.
     families: dict[str, list[dict]] = {}
@@ -234,8 +279,8 @@ def calibrate(runs: dict, target: float, split: float, seed: int, grid: int) -> 
                   for i, t in enumerate(runs["tiers"])],
         "reached_target": best["accuracy"] >= goal,
         "picked": {"calibration": _strip(best), "held_out": replay(runs, held, best["combo"])},
-        "oracle": oracle(runs, held),
-        "per_family": per_family, "curves": curves,
+        "oracle": oracle(runs, held), "oracle_before": oracle(runs, held, before=True),
+        "per_family": per_family, "curves": curves, "routers": [r.to_json() for r in routers],
     }
 
 
@@ -354,11 +399,17 @@ def _judge(engine, runs: list[tuple[list[int], int]]) -> list[list[pb.TokenLogpr
 # --- the outputs ------------------------------------------------------------------------------
 
 
-def calibrated_yaml(source: Path, result: dict) -> str:
-    """The cascade file with each tier's picked setting in place of its decision keys."""
+def router_file(written: Path, tier: str) -> Path:
+    """Where the calibrated file's prompt router for ``tier`` is written: beside it."""
+    return written.with_name(f"{written.stem}.{tier}.router.json")
+
+
+def calibrated_yaml(source: Path, result: dict, written: Path | None = None) -> str:
+    """The cascade file with each tier's picked setting in place of its decision keys (a picked
+    prompt router named as ``router_file(written, tier)``)."""
     data = yaml.safe_load(source.read_text())
     for tier, setting in zip(data["tiers"], result["picked"]["calibration"]["settings"]):
-        for key in ("measure", "threshold", "judge"):
+        for key in ("measure", "threshold", "judge", "route"):
             tier.pop(key, None)
         tier["measure"] = setting["measure"]
         if setting["threshold"] is not None and math.isfinite(setting["threshold"]):
@@ -370,6 +421,10 @@ def calibrated_yaml(source: Path, result: dict) -> str:
             if setting["floor"] is not None:
                 judge["floor"] = round(setting["floor"], 6)
             tier["judge"] = judge
+        if setting.get("route_threshold") is not None:
+            name = tier.get("name") or tier["model"]
+            tier["route"] = {"file": router_file(written or source, name).name,
+                             "threshold": round(setting["route_threshold"], 6)}
     held = result["picked"]["held_out"]
     head = (f"# Calibrated by `kvcascade cascade calibrate` from {source.name}: target "
             f"{result['target']:.0%} of the last tier's accuracy on {result['calibration_tasks']} tasks;\n"
@@ -396,6 +451,8 @@ def table(result: dict) -> str:
 
     lines.append(row("**picked**", result["picked"]["held_out"]))
     lines.append(row("oracle (knows which answers are right)", result["oracle"]))
+    if "oracle_before" in result:
+        lines.append(row("oracle deciding before any tier runs", result["oracle_before"]))
     for name, fam in sorted(result["per_family"].items(), key=lambda kv: kv[1]["calibration"]["compute"]):
         lines.append(row(name, fam["held_out"]))
     return "\n".join(lines) + "\n"
@@ -454,6 +511,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     cal.add_argument("--limit", type=int, help="use only the first N tasks")
     cal.add_argument("--device", default="cpu")
     cal.add_argument("--dtype", default="float32")
+    cal.add_argument("--no-route", dest="route", action="store_false",
+                     help="leave prompt routers out of the candidates (router/prompt_router.py)")
     cal.add_argument("--from", dest="replay_from", type=Path, help="replay a runs.json instead of running the models")
 
 
@@ -486,13 +545,16 @@ def main(args: argparse.Namespace) -> int:
     else:
         runs = collect(config, tasks, args.max_tokens, args.device, args.dtype)
         (args.out / "runs.json").write_text(json.dumps(runs))
-    result = calibrate(runs, args.target_quality, args.split, args.seed, args.grid)
+    result = calibrate(runs, args.target_quality, args.split, args.seed, args.grid, args.route)
     (args.out / "results.json").write_text(json.dumps(result, indent=1))
     text = table(result)
     (args.out / "calibration.md").write_text(text)
     plot(result, args.out / "curve.png")
     written = args.write or args.out / "cascade.calibrated.yaml"
-    written.write_text(calibrated_yaml(args.config, result))
+    written.write_text(calibrated_yaml(args.config, result, written))
+    for tier, setting, router in zip(config.tiers, result["picked"]["calibration"]["settings"], result["routers"]):
+        if setting.get("route_threshold") is not None:
+            router_file(written, tier.name).write_text(json.dumps(router))
     print(text)
     if not result["reached_target"]:
         print(f"no setting reached {args.target_quality:.0%} of the last tier's accuracy on the calibration "

@@ -1,6 +1,8 @@
 """The cascade: answer with the first tier, escalate to the next while it is unsure.
 
-    request -> plan (cascade? pinned tier? opted out?) -> tier 1 with logprobs, held back
+    request -> plan (cascade? pinned tier? opted out?) -> tier 1's prompt router (``route``):
+               unlikely to answer right -> skip to the next tier before it runs
+            -> tier 1 with logprobs, held back
             -> confidence over its window -> accept: release what was held, stream the rest
                                           -> unsure, with a judge: the next tier scores the draft
                                              in one prefill (its prompt logprobs) -> accept | escalate
@@ -157,6 +159,10 @@ class CascadeRun:
         for i, tier in enumerate(self.plan.tiers):
             final = i == len(self.plan.tiers) - 1
             escalated = i > 0
+            if not final and tier.route is not None and tier.route.skips(prompt_text(self.request)):
+                self.metrics.cascade_decisions.labels(tier.name, "skip").inc()
+                self.metrics.cascade_escalations.labels(tier.name, "route").inc()
+                continue  # costs nothing: the tier never ran
             trial = _Trial(tier)
             stream = self.answer(self._tier_request(tier, final, draft), self._remaining())
             async with contextlib.aclosing(stream):
@@ -290,6 +296,14 @@ class CascadeRun:
             with contextlib.suppress(RouterError):
                 prompt = len(await self.prompt_ids(self.request, trial.tier.model, None))
         self._count(trial.tier, "trial", trial.usage, completion=trial.tokens, prompt=prompt)
+
+
+def prompt_text(req: pb.GenerateRequest) -> str | None:
+    """What a prompt router reads: the last user message, or the text prompt; None for token ids."""
+    kind = req.WhichOneof("prompt")
+    if kind == "messages":
+        return next((m.content for m in reversed(req.messages.messages) if m.role == "user"), None)
+    return req.text if kind == "text" else None
 
 
 def _append_draft(req: pb.GenerateRequest, draft: str, review_prompt: str) -> None:

@@ -17,6 +17,10 @@ the file, the line and the key (``cascade.yaml:9: tiers[0].threshold: must be a 
           measure: mean_logprob    # over the draft's tokens as the next tier's model scores them
           threshold: -0.3          # the judge accepts at or above it (one prefill, no generation)
           floor: -1.5              # optional: below this own confidence, escalate unjudged
+        route:                     # optional: decide before the tier runs, from the prompt alone
+          file: small.router.json  # a prompt router (router/prompt_router.py; written by calibrate),
+                                   # relative to this file
+          threshold: 0.4           # skip the tier when its chance of a right answer is below it
       - name: large
         model: qwen2.5-coder-1.5b
 
@@ -31,13 +35,14 @@ import asyncio
 import logging
 import math
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 import yaml
 
 from router.confidence import MEASURES, ConfidenceMeasure, create_measure
+from router.prompt_router import PromptRouter, PromptRouterError
 
 log = logging.getLogger(__name__)
 
@@ -106,6 +111,30 @@ _JUDGE_KEYS = {"measure", "threshold", "floor", "top_logprobs"}
 
 
 @dataclass(frozen=True)
+class RouteConfig:
+    """Skip the tier, before it runs, for a prompt whose router puts its chance of answering
+    right below ``threshold`` (router/prompt_router.py)."""
+
+    file: str
+    threshold: float
+    router: PromptRouter | None = field(default=None, compare=False, repr=False)  # the file, once read
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.file, str) or not self.file:
+            raise FieldError(("file",), f"must be a file name, not {self.file!r}")
+        if not _number(self.threshold) or not 0 <= self.threshold <= 1:
+            raise FieldError(("threshold",), f"must be a probability in [0, 1], not {self.threshold!r}")
+
+    def skips(self, prompt: str | None) -> bool:
+        """A prompt with no text (token ids) is never skipped: the router reads words."""
+        assert self.router is not None, "a route's file is read when the cascade file is parsed"
+        return prompt is not None and self.router.score(prompt) < self.threshold
+
+
+_ROUTE_KEYS = {"file", "threshold"}
+
+
+@dataclass(frozen=True)
 class TierConfig:
     model: str
     name: str = ""  # default: the model name
@@ -115,6 +144,7 @@ class TierConfig:
     max_tokens: int | None = None  # full mode: cap of the trial
     top_logprobs: int = 20  # mean_entropy: alternatives asked for per token
     judge: JudgeConfig | None = None  # below threshold (or always, without one): the next tier judges
+    route: RouteConfig | None = None  # before the tier runs: skip it for prompts it likely gets wrong
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model:
@@ -176,6 +206,8 @@ class CascadeConfig:
                 raise FieldError(("tiers", i, "threshold"), "the last tier always answers: it takes no threshold")
             if last and tier.judge is not None:
                 raise FieldError(("tiers", i, "judge"), "the last tier always answers: no tier after it judges")
+            if last and tier.route is not None:
+                raise FieldError(("tiers", i, "route"), "the last tier always answers: it cannot be skipped")
             if not last and tier.threshold is None and tier.judge is None:
                 raise FieldError(("tiers", i, "threshold"),
                                  "missing: every tier but the last needs a threshold (or a judge)")
@@ -196,7 +228,7 @@ class CascadeConfig:
 # --- the YAML file, with line numbers -----------------------------------------------------------
 
 _TOP_KEYS = {"name", "mode", "original_prompt_only", "review_prompt", "tiers"}
-_TIER_KEYS = {"name", "model", "measure", "threshold", "window", "max_tokens", "top_logprobs", "judge"}
+_TIER_KEYS = {"name", "model", "measure", "threshold", "window", "max_tokens", "top_logprobs", "judge", "route"}
 
 
 def _key(path: tuple[str | int, ...]) -> str:
@@ -221,8 +253,9 @@ def _lines(node: yaml.Node, path: tuple[str | int, ...], out: dict[tuple, int], 
             _lines(item, (*path, i), out, source)
 
 
-def parse_cascade(text: str, source: str = "<cascade>") -> CascadeConfig:
-    """A CascadeConfig from YAML text, or a CascadeConfigError naming line and key."""
+def parse_cascade(text: str, source: str = "<cascade>", base: Path | None = None) -> CascadeConfig:
+    """A CascadeConfig from YAML text, or a CascadeConfigError naming line and key; a route's
+    file is read relative to ``base`` (load_cascade: the cascade file's folder)."""
     loader = yaml.SafeLoader(text)
     try:
         node = loader.get_single_node()
@@ -262,6 +295,8 @@ def parse_cascade(text: str, source: str = "<cascade>") -> CascadeConfig:
         item = dict(item)
         if "judge" in item:
             item["judge"] = _judge(item["judge"], ("tiers", i, "judge"), fail)
+        if "route" in item:
+            item["route"] = _route(item["route"], ("tiers", i, "route"), fail, base or Path.cwd())
         try:
             tiers.append(TierConfig(**item))
         except FieldError as err:
@@ -287,13 +322,33 @@ def _judge(data: Any, path: tuple[str | int, ...], fail) -> JudgeConfig:
         raise fail((*path, *err.path), err.message) from None
 
 
+def _route(data: Any, path: tuple[str | int, ...], fail, base: Path) -> RouteConfig:
+    if not isinstance(data, dict):
+        raise fail(path, "must be a mapping (file, threshold)")
+    for key in data:
+        if key not in _ROUTE_KEYS:
+            raise fail((*path, str(key)), f"unknown key; known: {sorted(_ROUTE_KEYS)}")
+    for key in ("file", "threshold"):
+        if key not in data:
+            raise fail((*path, key), "missing: " + ("the prompt router's file" if key == "file"
+                                                    else "the chance of a right answer below which the tier is skipped"))
+    try:
+        route = RouteConfig(data["file"], data["threshold"])
+    except FieldError as err:
+        raise fail((*path, *err.path), err.message) from None
+    try:
+        return replace(route, router=PromptRouter.load(base / route.file))
+    except PromptRouterError as err:
+        raise fail((*path, "file"), str(err)) from None
+
+
 def load_cascade(path: str | os.PathLike[str]) -> CascadeConfig:
     path = Path(path)
     try:
         text = path.read_text()
     except OSError as exc:
         raise CascadeConfigError(str(path), None, "", f"cannot read: {exc.strerror or exc}") from None
-    return parse_cascade(text, str(path))
+    return parse_cascade(text, str(path), path.parent)
 
 
 class CascadeFile:

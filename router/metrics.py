@@ -42,10 +42,10 @@ class RouterMetrics:
         self.worker_speculation = WorkerSpeculation(r)
         # The cascade (router/cascade.py). Escalation rate of a tier:
         # decisions{outcome="escalate"} / decisions, both per tier.
-        self.cascade_decisions = Counter("kvcascade_cascade_decisions", "Judged cascade trials by tier and outcome "
-                                         "(accept, escalate)", ["tier", "outcome"], registry=r)
+        self.cascade_decisions = Counter("kvcascade_cascade_decisions", "Cascade decisions by tier and outcome "
+                                         "(accept, escalate; skip: its prompt router sent the request on before it ran)", ["tier", "outcome"], registry=r)
         self.cascade_escalations = Counter("kvcascade_cascade_escalations", "Escalations away from a tier by reason "
-                                           "(confidence, judge, limit, error, unavailable)", ["tier", "reason"],
+                                           "(confidence, judge, limit, error, unavailable, route)", ["tier", "reason"],
                                            registry=r)
         self.cascade_answers = Counter("kvcascade_cascade_answers", "Cascade requests by the tier that answered",
                                        ["tier", "escalated"], registry=r)

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from kvcascade.calibrate import Setting, replay, search
+from kvcascade.calibrate import Setting, calibrate, oracle, replay, search
 from router.cascade_config import load_cascade
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -75,6 +75,39 @@ def test_when_only_the_judge_separates_right_from_wrong_the_search_uses_it() -> 
     large_alone = 6 * 2 * 30 * 38
     assert best["compute"] == pytest.approx((120 + 6 * 2 * 30 * 11 + 3 * 2 * 30 * 30) / large_alone)
     assert best["compute"] < replay(r, range(6), [Setting("mean_logprob", math.inf)])["compute"]
+
+
+def test_a_prompt_router_in_front_skips_the_tier_where_it_is_wrong() -> None:
+    # Own confidence says nothing; the prompt router's scores (``route``) rank the wrong ones low.
+    r = runs([1, 1, 1, 0, 0, 0], [1] * 6, own=[-0.3] * 6, judge=[-9] * 6)
+    for a, score in zip(r["tiers"][0]["answers"], [0.9, 0.8, 0.7, 0.2, 0.1, 0.3]):
+        a["route"] = score
+    # Skip below 0.5: tasks 3-5 go straight to large (3 x 60), tasks 0-2 small accepts (3 x 20).
+    p = replay(r, range(6), [Setting("mean_logprob", -1.0, route_threshold=0.5)])
+    assert p["accuracy"] == 1.0 and p["compute"] == pytest.approx((3 * 20 + 3 * 60) / 360)
+    assert p["last_tier_share"] == pytest.approx(0.5) and p["judged"] == 0
+    # The search finds it: nothing else reaches large's accuracy below the cost of large alone
+    # plus small's trials, and the bound that decides before any tier runs is this cost.
+    best, _, _ = search(r, range(6), target=1.0, grid=7)
+    assert best["accuracy"] == 1.0 and best["compute"] == pytest.approx(240 / 360)
+    assert best["settings"][0]["route_threshold"] is not None
+    assert oracle(r, range(6), before=True)["compute"] == pytest.approx(240 / 360)
+    assert oracle(r, range(6))["compute"] == pytest.approx((6 * 20 + 3 * 60) / 360)
+
+
+def test_calibration_trains_the_router_on_its_split_and_scores_the_rest_unseen() -> None:
+    # Two kinds of prompt: small answers capitals right and products wrong (large both).
+    prompts = [f"What is the capital of {c}?" if i % 2 else f"What is {i + 10} times {i + 31}?"
+               for i, c in enumerate("France Peru Japan Kenya Chile Spain Egypt Nepal Italy Chad Cuba Fiji".split())]
+    small = [bool(i % 2) for i in range(12)]
+    r = runs(small, [1] * 12, own=[-0.3] * 12, judge=[-9] * 12)
+    r["tasks"] = [{"prompt": p} for p in prompts]
+    result = calibrate(r, target=1.0, split=0.5, seed=0, grid=6)
+    held = result["picked"]["held_out"]
+    assert held["accuracy"] == 1.0 and held["settings"][0]["route_threshold"] is not None
+    # Held out, the router (never trained on these prompts) sends each product to large at once.
+    assert held["compute"] == pytest.approx(result["oracle_before"]["compute"])
+    assert len(result["routers"]) == 1 and result["routers"][0]["trained_on"] == 6
 
 
 def test_the_command_end_to_end_writes_a_file_the_router_loads(tmp_path: Path) -> None:

@@ -23,6 +23,7 @@ import torch
 from protos import kvcascade_pb2 as pb
 from protos import kvcascade_pb2_grpc as pb_grpc
 from router.cascade_config import CascadeConfigError, CascadeFile, parse_cascade
+from router.prompt_router import PromptRouter
 from router.grpc_api import RouterServer
 from router.http_api import create_app, http_port, serve_http, stop_http
 from contracts.memory_state import MemoryPrefixIndex, MemoryRegistry
@@ -402,3 +403,74 @@ def test_a_bad_judge_is_refused_naming_key_and_line(text_: str, line: int, key: 
     with pytest.raises(CascadeConfigError) as err:
         parse_cascade(text_, "c.yaml")
     assert (err.value.line, err.value.key) == (line, key), str(err.value)
+
+
+# --- the prompt router in front of a tier (route) -------------------------------------------------
+
+CAPITALS = [f"What is the capital of {c}?" for c in "France Peru Japan Kenya Chile Spain Egypt Nepal".split()]
+PRODUCTS = [f"What is {a} times {b}?" for a, b in [(347, 29), (812, 77), (45, 908), (123, 456), (66, 781),
+                                                    (999, 12), (305, 88), (71, 640)]]
+
+
+@pytest.fixture(scope="module")
+def router_file(tmp_path_factory) -> Path:
+    """A prompt router that expects the small tier right on capitals and wrong on products."""
+    path = tmp_path_factory.mktemp("route") / "small.router.json"
+    PromptRouter.train(CAPITALS + PRODUCTS, [True] * len(CAPITALS) + [False] * len(PRODUCTS)).save(path)
+    return path
+
+
+def routed(router_file: Path, threshold: float = 0.5) -> str:
+    return cascade_yaml(SURE).replace("  - name: large", f"    route: {{file: {router_file}, threshold: {threshold}}}\n"
+                                                          "  - name: large")
+
+
+@pytest.mark.parametrize("route, line, key", [
+    ("route: {file: missing.json, threshold: 0.5}", 4, "tiers[0].route.file"),
+    ("route: {file: R, threshold: 1.5}", 4, "tiers[0].route.threshold"),
+    ("route: {file: R}", 4, "tiers[0].route.threshold"),
+    ("route: {file: R, threshold: 0.5, treshold: 1}", 4, "tiers[0].route.treshold"),
+    ("route: R", 4, "tiers[0].route"),
+])
+def test_a_bad_route_is_refused_naming_key_and_line(router_file: Path, route: str, line: int, key: str) -> None:
+    text_ = f"tiers:\n  - model: a\n    threshold: 1\n    {route.replace('R', str(router_file))}\n  - model: b\n"
+    with pytest.raises(CascadeConfigError) as err:
+        parse_cascade(text_, "c.yaml")
+    assert (err.value.line, err.value.key) == (line, key), str(err.value)
+    last = f"tiers:\n  - model: a\n    threshold: 1\n  - model: b\n    route: {{file: {router_file}, threshold: 0.5}}\n"
+    with pytest.raises(CascadeConfigError, match="tiers\\[1\\].route: the last tier always answers"):
+        parse_cascade(last, "c.yaml")
+
+
+def test_a_route_file_is_read_beside_the_cascade_file(router_file: Path) -> None:
+    from router.cascade_config import load_cascade
+
+    cascade = router_file.parent / "cascade.yaml"
+    cascade.write_text(routed(Path(router_file.name)))
+    tier = load_cascade(cascade).tiers[0]
+    assert tier.route is not None and tier.route.skips(PRODUCTS[0]) and not tier.route.skips(CAPITALS[0])
+    assert not tier.route.skips(None)  # token ids: nothing to read, the tier runs
+
+
+def test_many_routed_requests_at_once(stack: Stack, router_file: Path) -> None:
+    """Products skip the small tier before it runs (no trial, no tokens of it); capitals keep it."""
+    stack.use(routed(router_file))
+    skipped = stack.metric("kvcascade_cascade_decisions_total", tier="small", outcome="skip")
+    questions = CAPITALS + PRODUCTS
+
+    def ask(q: str) -> list[pb.GenerateResponse]:
+        req = request(max_tokens=6)
+        req.messages.messages[0].content = q
+        return stack.ask(req)
+
+    with ThreadPoolExecutor(len(questions)) as pool:
+        answers = dict(zip(questions, pool.map(ask, questions)))
+    for q in CAPITALS:
+        assert answers[q][-1].tier == "small" and roles(answers[q][-1]) == [("small", "answer")]
+    for q in PRODUCTS:
+        msgs = answers[q]
+        assert {(m.tier, m.escalated) for m in msgs} == {("large", True)}
+        assert roles(msgs[-1]) == [("large", "answer")] and msgs[-1].usage.completion_tokens == 6
+    assert stack.metric("kvcascade_cascade_decisions_total", tier="small", outcome="skip") - skipped == len(PRODUCTS)
+    assert stack.metric("kvcascade_cascade_escalations_total", tier="small", reason="route") >= len(PRODUCTS)
+    stack.wait_until_idle()
