@@ -211,3 +211,28 @@ def test_service_monitor_sends_a_key_to_protected_metrics():
     assert endpoint["authorization"] == {"type": "Bearer", "credentials": {"name": "prometheus-key", "key": "api-key"}}
     assert "scheme" not in endpoint
     assert _scrape(VARIANTS["everything"])["authorization"]["credentials"] == {"name": "prometheus-key", "key": "key"}
+
+
+def test_the_cascade_configmap_holds_a_file_the_router_loads_with_its_route(tmp_path):
+    """cascade.files puts a tier's prompt router beside cascade.yaml, where `route` finds it."""
+    import json
+    from pathlib import Path
+
+    import yaml
+
+    from router.cascade_config import load_cascade
+    from router.prompt_router import PromptRouter
+
+    config = yaml.safe_load((Path(CHART).parents[1] / "deploy" / "cascade.example.yaml").read_text())
+    config["tiers"][0]["route"] = {"file": "small.router.json", "threshold": 0.5}
+    router = PromptRouter.train(["What is the capital of Peru?", "What is 347 times 29?"], [True, False])
+    r = render({"cascade": {"enabled": True, "config": config,
+                            "files": {"small.router.json": json.dumps(router.to_json())}}})
+    data = r.one("ConfigMap", f"{PREFIX}-router-cascade")["data"]
+    assert sorted(data) == ["cascade.yaml", "small.router.json"]
+    for name, content in data.items():  # as the kubelet mounts the ConfigMap
+        (tmp_path / name).write_text(content)
+    tier = load_cascade(tmp_path / "cascade.yaml").tiers[0]
+    assert tier.route.skips("What is 812 times 77?") and not tier.route.skips("What is the capital of Chad?")
+    with pytest.raises(Exception, match="cascade.yaml"):  # it would shadow the cascade file
+        render({"cascade": {"enabled": True, "config": config, "files": {"cascade.yaml": "x"}}})
