@@ -3,14 +3,17 @@ with dummy:llama-3.1-8b quantized at load (bf16 vs int8 vs int4 in the same run)
 
     python benchmarks/quant_gpu.py --out quant.json [--configs none int8 int4] [--parts kernels engine]
         [--batches 1 8 16 64] [--sweep-prefill] [--decode-rows 1 2 4 8 16] [--sweep-gemv] [--gemv-tl-load]
+        [--swap-sweep 16 64 512] [--shapes qkv_proj ...]
 
 kernels  each Llama-3.1-8B projection (and the LM head in int8) at 1, 8, 16, 64 and 512 rows:
          median time (triton.testing.do_bench) of bf16 (the engine's path: skinny matmul at 1 row,
          cuBLAS above), int8 and int4 (group 128), the bytes each must read and its time at the
          measured copy rate, and the relative error against the dequantize-then-matmul reference
- decode  each decode path of kernels/wq_matmul.py (gemv, dequant, and the one it picks) per
-         projection at --decode-rows, against bf16's skinny kernel, in CUDA graphs over weight copies
-         that miss the L2 (as a decode step meets them); --sweep-gemv: the GEMV's tiles and splits
+ decode  each path of kernels/wq_matmul.py (gemv, dequant, swapped, dense, and the one it picks)
+         per projection at --decode-rows, against bf16 (the engine's linear: skinny kernel or
+         cuBLAS), in CUDA graphs over weight copies that miss the L2 (as a decode step meets them);
+         --sweep-gemv: the GEMV's tiles and splits; --swap-sweep: the swapped kernel's tiles,
+         splits and switches at the rows given; last, a table of µs a layer (qkv + o + gate_up + down) per path
  engine  per --configs, in a process of its own (each sizes its KV pool from the whole GPU): ms per
          decode step at each --batches (prompts of 128 tokens, the median interval between steps
          once every request decodes; CUDA graphs and the lookahead as served), the weight bytes a
@@ -110,10 +113,33 @@ def graph_us(calls: list) -> float:
     return sorted(times)[len(times) // 2]
 
 
-def bench_decode(ceilings: dict, rows_list: list[int], sweep: bool) -> dict:
-    """Each decode path (kernels/wq_matmul.py) per projection and row count, timed in CUDA graphs
-    over enough weight copies to miss the L2; with ``sweep`` the GEMV's tiles and splits at 1 row."""
-    from kernels.wq_matmul import GEMV_MAX_ROWS, GEMV_SPLITS, GEMV_TILES, decode_path, wq_matmul
+# --swap-sweep: the swapped kernel's tiles (BLOCK_N, BLOCK_M, warps, stages) per row bucket, each
+# with K splits (rows <= 16) and the PERM / XSUM_DOT switches (int4 (True, True), (True, False),
+# (False, False); int8 (True, False), (False, False))
+SWAP_SWEEP_TILES = [(64, 16, 4, 3), (64, 16, 4, 4), (128, 16, 8, 3), (64, 32, 4, 3), (128, 32, 8, 3), (64, 64, 4, 3),
+                    (128, 64, 8, 3), (64, 128, 4, 3), (128, 128, 8, 3), (128, 128, 8, 4), (128, 256, 8, 3)]
+
+
+def swap_sweep_configs(rows: int, bits: int) -> list[dict]:
+    bucket = max(16, 1 << (rows - 1).bit_length())
+    switches = [(True, True), (True, False), (False, False)] if bits == 4 else [(True, False), (False, False)]
+    out = []
+    for bn, bm, warps, stages in SWAP_SWEEP_TILES:
+        if bm > bucket or bm < min(bucket, 256) // 4:
+            continue
+        for perm, xsum in switches:
+            for split in ((1, 2, 4, 8) if rows <= 16 else (1,)):
+                out.append(dict(BLOCK_N=bn, BLOCK_M=bm, SPLIT_K=split, PERM=perm, XSUM_DOT=xsum, num_warps=warps,
+                                num_stages=stages))
+    return out
+
+
+def bench_decode(ceilings: dict, rows_list: list[int], sweep: bool, swap_sweep: list[int] = (),
+                 shapes: list[str] | None = None) -> dict:
+    """Each path (kernels/wq_matmul.py) per projection and row count, timed in CUDA graphs over
+    enough weight copies to miss the L2; with ``sweep`` the GEMV's tiles and splits at 1 row, and
+    at the rows in ``swap_sweep`` the swapped kernel's (swap_sweep_configs)."""
+    from kernels.wq_matmul import DECODE_MAX_ROWS, GEMV_MAX_ROWS, GEMV_SPLITS, GEMV_TILES, decode_path, wq_matmul
     from kernels.wquant import quantize
     from worker.models.parallel_layers import linear
 
@@ -121,6 +147,8 @@ def bench_decode(ceilings: dict, rows_list: list[int], sweep: bool) -> dict:
     bw = ceilings["copy_bandwidth_Bps"]
     out = {}
     for name, (n, k) in SHAPES.items():
+        if shapes and name not in shapes:
+            continue
         w = torch.randn(n, k, device=dev, dtype=torch.bfloat16) * 0.02
         formats = {"bf16": [w] + [w.clone() for _ in range(max(2, -(-256 * 2**20 // (n * k * 2))) - 1)]}
         for bits in ((8,) if name == "lm_head" else (8, 4)):
@@ -131,25 +159,49 @@ def bench_decode(ceilings: dict, rows_list: list[int], sweep: bool) -> dict:
                                                  None if q.biases is None else q.biases.clone(), bits, 128)
                                            for _ in range(cp - 1)]
         for rows in rows_list:
+            if name == "lm_head" and rows > 16:  # the LM head sees a row a sequence, decode only
+                continue
             x = torch.randn(rows, k, device=dev, dtype=torch.bfloat16)
             for fmt, ws in formats.items():
                 nbytes = ws[0].numel() * 2 if fmt == "bf16" else ws[0].nbytes()
                 if fmt == "bf16":
-                    paths = {"skinny": [lambda w=w: linear(x, w) for w in ws]}
+                    paths = {"bf16": [lambda w=w: linear(x, w) for w in ws]}
                 else:
                     ref = x.float() @ ws[0].dequantize().t()
                     paths = {}
-                    for p in (["gemv"] if rows <= GEMV_MAX_ROWS else []) + ["dequant"]:
+                    names = (["gemv"] if rows <= GEMV_MAX_ROWS else []) + (["dequant"] if rows <= DECODE_MAX_ROWS else [])
+                    for p in names + ["swapped", "dense"]:
                         err = ((wq_matmul(x, ws[0], path=p).float() - ref).norm() / ref.norm()).item()
                         paths[p] = [lambda w=w, p=p: wq_matmul(x, w, path=p) for w in ws]
                         out[f"{name}/{rows}/{fmt}/{p}/rel_err"] = err
+                        if err > 2e-2:
+                            print(f"  {name} {rows} {fmt} {p}: rel err {err:.1e}", flush=True)
                     paths["chosen"] = [lambda w=w: wq_matmul(x, w) for w in ws]
                     out[f"{name}/{rows}/{fmt}/chosen/path"] = decode_path(ws[0], rows, x.dtype)
                 for p, calls in paths.items():
                     us = graph_us(calls)
                     out[f"{name}/{rows}/{fmt}/{p}"] = {"us": us, "bytes": nbytes, "floor_us": nbytes / bw * 1e6}
-                    print(f"{name:<13}{rows:>4} {fmt:<5}{p:<8}{us:>9.1f} us  floor {nbytes / bw * 1e6:>7.1f} us  "
+                    print(f"{name:<13}{rows:>5} {fmt:<5}{p:<8}{us:>9.1f} us  floor {nbytes / bw * 1e6:>7.1f} us  "
                           f"{nbytes / us / 1e6:>6.2f} TB/s", flush=True)
+                if rows in swap_sweep and fmt != "bf16":
+                    best = None
+                    for cfg in swap_sweep_configs(rows, ws[0].bits):
+                        try:
+                            got = wq_matmul(x, ws[0], config=cfg, path="swapped").float()
+                            err = ((got - ref).norm() / ref.norm()).item()
+                            us = graph_us([lambda w=w: wq_matmul(x, w, config=cfg, path="swapped") for w in ws])
+                        except Exception as exc:  # noqa: BLE001 - a tile that does not compile or fit
+                            print(f"  swap sweep {cfg}: {type(exc).__name__} {exc}"[:200], flush=True)
+                            continue
+                        tag = "-".join(str(int(v)) for v in cfg.values())
+                        out[f"{name}/{rows}/{fmt}/swap-sweep/{tag}"] = {"us": us, "rel_err": err, "config": cfg}
+                        if err > 2e-2:
+                            print(f"  swap sweep {cfg}: rel err {err:.1e}", flush=True)
+                        elif best is None or us < best[0]:
+                            best = (us, cfg)
+                    if best:
+                        out[f"{name}/{rows}/{fmt}/swap-best"] = {"us": best[0], "config": best[1]}
+                        print(f"  swap sweep {name} {rows} {fmt}: best {best[0]:.1f} us at {best[1]}", flush=True)
                 if sweep and fmt != "bf16" and rows == 1:
                     best = None
                     for bn, kw, warps in GEMV_TILES[ws[0].bits]:
@@ -172,7 +224,23 @@ def bench_decode(ceilings: dict, rows_list: list[int], sweep: bool) -> dict:
                     print(f"  sweep {name} {fmt}: best {best[0]:.1f} us at {best[1]}", flush=True)
         del w, formats
         torch.cuda.empty_cache()
+    print_decode_table(out, rows_list)
     return out
+
+
+def print_decode_table(res: dict, rows_list: list[int]) -> None:
+    """µs per projection summed over one layer (qkv, o, gate_up, down) per rows: bf16 and each path."""
+    layer = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+    print(f"\n{'rows':>5} {'fmt':<5}" + "".join(f"{p:>10}" for p in ("bf16", "gemv", "dequant", "swapped", "swap-best",
+                                                                         "dense", "chosen")) + "   (us a layer)")
+    for rows in rows_list:
+        for fmt in ("int8", "int4"):
+            cells = []
+            for p in ("bf16", "gemv", "dequant", "swapped", "swap-best", "dense", "chosen"):
+                key = "bf16" if p == "bf16" else fmt
+                vals = [res.get(f"{name}/{rows}/{key}/{p}", {}).get("us") for name in layer]
+                cells.append(f"{sum(vals):>10.1f}" if all(v is not None for v in vals) else f"{'':>10}")
+            print(f"{rows:>5} {fmt:<5}" + "".join(cells))
 
 
 def decode_step_ms(engine, batch: int, vocab: int, rng: random.Random, new: int = 48) -> float:
@@ -237,6 +305,9 @@ def main() -> None:
     ap.add_argument("--parts", nargs="+", choices=["kernels", "decode", "engine"], default=["kernels", "engine"])
     ap.add_argument("--decode-rows", type=int, nargs="+", default=[1, 2, 4, 8, 16])
     ap.add_argument("--sweep-gemv", action="store_true")
+    ap.add_argument("--swap-sweep", type=int, nargs="*", default=[], metavar="ROWS",
+                    help="decode part: the swapped kernel's tiles and switches at these rows")
+    ap.add_argument("--shapes", nargs="+", choices=list(SHAPES), help="decode part: these projections only")
     ap.add_argument("--gemv-tl-load", action="store_true",
                     help="decode part: the GEMV's scales and x by tl.load, not inline asm (A/B of GEMV_ASM)")
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 16, 64])
@@ -260,7 +331,8 @@ def main() -> None:
 
             kernels.wq_matmul.GEMV_ASM = False
         try:
-            res["decode"] = bench_decode(res["ceilings"], args.decode_rows, args.sweep_gemv)
+            res["decode"] = bench_decode(res["ceilings"], args.decode_rows, args.sweep_gemv, args.swap_sweep,
+                                         args.shapes)
         finally:
             if args.out:
                 Path(args.out).write_text(json.dumps(res, indent=1))

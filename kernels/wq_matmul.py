@@ -1,6 +1,6 @@
 """``x @ W.T (+ bias)`` with W stored packed (kernels/wquant.py): W8A16 and W4A16.
 
-Three regimes by rows of x:
+Paths by rows of x (decode_path; the crossovers were measured on an H200):
 - 1 row (GEMV_ROWS): a GEMV on the CUDA cores, no dot. The packed weight is read as int32 words
   (8 nibbles or 4 bytes each), 4 words of 8 rows a thread; a weight becomes a float without any
   conversion: an integer n < 2^24 read as a float32 is n 2^-149 exactly, so a nibble or byte
@@ -15,14 +15,19 @@ Three regimes by rows of x:
   tile right behind the load, and took 245 registers (now 168) for int4's 8 rows. Few output
   blocks split K (SPLITS): the splits add into an fp32 workspace and the last one writes the
   output and zeroes it again, so no extra launch, and nothing allocated per call (CUDA graphs).
-- 2 to 16 rows (DECODE_MAX_ROWS): each program owns a BLOCK_M x BLOCK_N tile and walks K,
-  unpacking and scaling the weight tile (q * s + b) in registers into a tensor-core dot with x's
-  tile ("dequant"). The weight is read once and never written out dense.
-- more rows: the weight dequantized in one pass to a transient copy in x's dtype, then cuBLAS.
-  Dequantizing in the dot kernel's main loop measured 2.5-3x cuBLAS's time at 512-2048 rows and
-  2-6x at 64 on an H200 (benchmarks/quant_gpu.py --sweep-prefill, docs/BENCHMARKS.md): the loop is
-  bound by the unpacking instructions, not by bytes. The copy costs a write and a read of the
-  dense weight per call, which caps what int4 saves on large batches.
+- 2 to SWAP_MAX_ROWS rows: the swapped kernel, out^T = W x^T. The weight tile is the dot's first
+  operand, which Hopper's wgmma takes from registers (its second only from shared memory), so the
+  unpacked tile goes straight from registers into the tensor cores; each K tile is one group (or
+  lies in one), so the dot runs on the integers and the scale is applied to its [BLOCK_N, BLOCK_M]
+  result (int4's bias times sum(x) likewise); int4 nibbles ORed into bf16 0x4300 are 128 + q
+  with no conversion instruction. PERM maps the dot's K positions so that each lane's weight
+  bytes are contiguous (x is read in that order). Groups of no power of two take the older
+  paths: up to DECODE_MAX_ROWS the "dequant" kernel (q * s + b per weight into the dot's second
+  operand), above it "dense".
+- "dense" (more rows): the weight dequantized in one pass to a transient copy in x's dtype, then
+  cuBLAS. Dequantizing in the older kernel's main loop (weight as the second operand) measured
+  2.5-3x cuBLAS's time at 512-2048 rows (docs/BENCHMARKS.md); the copy costs a write and a read
+  of the dense weight per call.
 
 Tiles (and the GEMV's split) are tuned per (N, K, format, rows) at first use: the engine's
 warm-up, before CUDA-graph capture. Measured on an H200 (docs/BENCHMARKS.md): the GEMV reads
@@ -296,6 +301,138 @@ def _wq_gemv_kernel(
             tl.atomic_xchg(cnt_ptr + pid_n, 0, sem="relaxed")
 
 
+# The swapped kernel (2 rows and more): out^T = W x^T, so the weight tile is the dot's first
+# operand, which Hopper's wgmma reads from registers (the dequantized tile never goes through
+# shared memory; x^T, the second operand, is staged there by the pipeliner). BLOCK_K divides the
+# group, so each tile's dot runs on the raw integers and its scale is applied to the dot's
+# [BLOCK_N, BLOCK_M] result, not per weight: acc += s dot(q, x) + b sum(x). A nibble ORed into
+# bf16's 0x4300 is 128 + q exactly (fp16: 0x6400, 1024 + q), so int4 needs no conversion
+# instruction; the 128 comes out with the bias, b - 128 s.
+SWAP_MAGIC = {torch.bfloat16: (0x4300, 128.0), torch.float16: (0x6400, 1024.0)}
+
+
+@jit
+def _nibble_pairs(w, shift: tl.constexpr, MAGIC: tl.constexpr):
+    """Nibbles ``shift / 4`` and ``shift / 4 + 4`` of int32 words as 16-bit halves with the magic ORed in:
+    one shift and one LOP3 for two weights."""
+    r = ((w >> shift) & 0x000F000F) | (MAGIC * 65537)
+    return r.to(tl.int16), (r >> 16).to(tl.int16)
+
+
+@jit
+def _swapped_columns(BITS: tl.constexpr, BLOCK_K: tl.constexpr, PERM: tl.constexpr):
+    """x's column for each of the dot's K positions. PERM: wgmma's A fragment gives lane c of a
+    quad positions 2c + e and 2c + 8 + e of every 16 (e in 0, 1: one 32-bit register); the
+    positions are mapped so that a lane's BLOCK_K / 4 columns of a row are contiguous bytes of
+    the packed weight (int4: 4 words, read as int32 and split by _nibble_pairs, whose register
+    holds nibbles i and i + 4; int8: BLOCK_K / 4 bytes), and x is read in that order."""
+    p = tl.arange(0, BLOCK_K)
+    if not PERM:
+        return p
+    c = (p // 2) % 4
+    if BITS == 4:  # p = 32 wi + 16 x2 + 8 x1 + 2 c + x0 -> nibble x1 + 2 x2 + 4 x0 of the lane's word wi
+        return (BLOCK_K // 4) * c + 8 * (p // 32) + 2 * ((p // 16) % 2) + (p // 8) % 2 + 4 * (p % 2)
+    return (BLOCK_K // 4) * c + 4 * (p // 16) + 2 * ((p // 8) % 2) + p % 2  # p = 16 j + 8 h + 2 c + e
+
+
+@jit
+def _swapped_weights(q, dtype: tl.constexpr, BITS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                     MAGIC: tl.constexpr, PERM: tl.constexpr):
+    """The tile's integers (int4: 128 + q with the bf16 magic) as the dot's [BLOCK_N, BLOCK_K] operand, in
+    _swapped_columns' order."""
+    if BITS == 4:
+        if PERM:  # q: int32 words [BLOCK_N, BLOCK_K / 8]
+            a0, a1 = _nibble_pairs(q, 0, MAGIC)
+            b0, b1 = _nibble_pairs(q, 4, MAGIC)
+            c0, c1 = _nibble_pairs(q, 8, MAGIC)
+            d0, d1 = _nibble_pairs(q, 12, MAGIC)
+            # [BLOCK_N, words (c, wi), x0, x1, x2] -> positions (wi, x2, x1, c, x0)
+            t = tl.join(tl.join(tl.join(a0, a1), tl.join(b0, b1)), tl.join(tl.join(c0, c1), tl.join(d0, d1)))
+            t = tl.permute(tl.reshape(t, [BLOCK_N, 4, BLOCK_K // 32, 2, 2, 2]), [0, 2, 5, 4, 1, 3])
+            w = tl.reshape(t, [BLOCK_N, BLOCK_K]).to(dtype, bitcast=True)
+        else:
+            q = tl.interleave(q & 0x0F, q >> 4)  # byte j holds columns 2j (low) and 2j + 1 (high)
+            if MAGIC:
+                w = (q.to(tl.int16) | MAGIC).to(dtype, bitcast=True)
+            else:
+                w = q.to(dtype)
+    else:
+        if PERM:  # bytes [BLOCK_N, (c, j, h, e)] -> positions (j, h, c, e)
+            q = tl.reshape(tl.permute(tl.reshape(q, [BLOCK_N, 4, BLOCK_K // 16, 2, 2]), [0, 2, 3, 1, 4]),
+                           [BLOCK_N, BLOCK_K])
+        w = q.to(dtype)
+    return w
+
+
+@jit
+def _wq_swapped_kernel(
+    x_ptr, q_ptr, s_ptr, b_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K, stride_xm, stride_qn, stride_sn,
+    stride_om, ROWS_KEY, BITS: tl.constexpr, GROUP: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, MAGIC: tl.constexpr, OFFSET: tl.constexpr,
+    PERM: tl.constexpr, XSUM_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_PDL: tl.constexpr,
+):
+    """Program (i, j, s) owns out[j BLOCK_M:, i BLOCK_N:] (transposed in registers) over split s of K's
+    tiles (whole tiles, each in one group). ROWS_KEY: the autotuner's row bucket (unused here).
+    SPLIT_K > 1: the splits add into ws (fp32 [M, N], zero) and the last to count in at cnt[tile]
+    stores and leaves ws and cnt zero again, as the GEMV does. PERM with int4 reads int32 words
+    (_swap_perm_ok: the rows 4-byte aligned)."""
+    wait_for_producer(USE_PDL)
+    BLOCK_KQ: tl.constexpr = BLOCK_K // 8 if PERM and BITS == 4 else BLOCK_K // (2 if BITS == 4 else 1)
+    pid_n = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    tiles = K // BLOCK_K
+    per_split = tl.cdiv(tiles, SPLIT_K)
+    t0 = tl.program_id(2) * per_split
+    t1 = tl.minimum(t0 + per_split, tiles)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rows = tl.minimum(offs_n, N - 1).to(tl.int64)  # no masks in the loop: edge rows re-read row N - 1 (never stored)
+    xt_ptrs = (x_ptr + tl.minimum(offs_m, M - 1)[None, :].to(tl.int64) * stride_xm
+               + _swapped_columns(BITS, BLOCK_K, PERM)[:, None])
+    if PERM and BITS == 4:  # int32 words
+        q_ptrs = q_ptr.to(tl.pointer_type(tl.int32)) + rows[:, None] * (stride_qn // 4) + tl.arange(0, BLOCK_KQ)[None, :]
+    else:
+        q_ptrs = q_ptr + rows[:, None] * stride_qn + tl.arange(0, BLOCK_KQ)[None, :]
+    s_ptrs = s_ptr + rows * stride_sn
+    b_ptrs = b_ptr + rows * stride_sn
+    acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
+    for t in range(t0, t1):
+        xt = tl.load(xt_ptrs + t * BLOCK_K)
+        w = _swapped_weights(tl.load(q_ptrs + t * BLOCK_KQ), xt.dtype, BITS, BLOCK_N, BLOCK_K, MAGIC, PERM)
+        part = tl.dot(w, xt, input_precision=DOT_PRECISION)
+        g = t * BLOCK_K // GROUP
+        s = tl.load(s_ptrs + g).to(tl.float32)
+        acc += part * s[:, None]
+        if BITS == 4:  # + (b - OFFSET s) sum(x): the bias, less the magic's constant
+            bb = tl.load(b_ptrs + g).to(tl.float32) - OFFSET * s
+            if XSUM_DOT:  # sum(x) on the tensor cores, already in acc's layout
+                acc += bb[:, None] * tl.dot(tl.full([BLOCK_N, BLOCK_K], 1.0, tl.float32).to(xt.dtype), xt,
+                                            input_precision=DOT_PRECISION)
+            else:
+                acc += bb[:, None] * tl.sum(xt.to(tl.float32), axis=0)[None, :]
+    n_mask = offs_n < N
+    mask = n_mask[:, None] & (offs_m < M)[None, :]
+    ws_ptrs = ws_ptr + offs_m[None, :] * N + offs_n[:, None]
+    if SPLIT_K > 1:
+        tl.atomic_add(ws_ptrs, acc, mask=mask, sem="relaxed")
+        tl.debug_barrier()  # every thread's adds issued before the count (released by the atomic)
+        tile = pid_m * tl.num_programs(0) + pid_n
+        if tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel") == SPLIT_K - 1:
+            # as int32: the interpreter swaps no floats
+            acc = tl.atomic_xchg(ws_ptrs.to(tl.pointer_type(tl.int32)), tl.zeros([BLOCK_N, BLOCK_M], tl.int32),
+                                 mask=mask, sem="relaxed").to(tl.float32, bitcast=True)
+            if HAS_BIAS:
+                acc += tl.load(bias_ptr + rows).to(tl.float32)[:, None]
+            tl.store(out_ptr + offs_m[None, :] * stride_om + offs_n[:, None], acc.to(out_ptr.dtype.element_ty),
+                     mask=mask)
+            tl.atomic_xchg(cnt_ptr + tile, 0, sem="relaxed")
+    else:
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + rows).to(tl.float32)[:, None]
+        tl.store(out_ptr + offs_m[None, :] * stride_om + offs_n[:, None], acc.to(out_ptr.dtype.element_ty),
+                 mask=mask)
+
+
 @jit
 def _dequantize_kernel(q_ptr, s_ptr, b_ptr, out_ptr, N, K, stride_qn, stride_sn, stride_on,
                        BITS: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -365,7 +502,6 @@ _tuned = (triton.autotune(configs=_decode_configs(), key=["N", "K", "BITS", "GRO
 
 
 GEMV_MAX_ROWS = 4  # the GEMV kernel's limit
-GEMV_ROWS = 1  # what it is chosen for: at 2 rows the dequant kernel measured faster on gate_up (H200)
 GEMV_SPLITS = (1, 2, 4, 8, 16)
 GEMV_ASM = True  # scales (and bf16 x) loaded by inline asm on a GPU (_ld_scale, _gemv_x8); off: tl.load
 
@@ -409,21 +545,85 @@ _gemv_tuned = (triton.autotune(configs=_gemv_configs(), key=["N", "K", "BITS", "
                                prune_configs_by={"early_config_prune": _gemv_prune}, warmup=5, rep=25)(
     triton.heuristics({"SPLIT": lambda args: args["SPLITS"] > 1})(_wq_gemv_kernel)) if triton else None)
 
+# The swapped kernel's tiles: (BLOCK_N, BLOCK_M, warps, stages, PERM, XSUM_DOT) (PERM:
+# _swapped_columns; XSUM_DOT: int4's sum(x) as a second dot), each with the K splits below where
+# the rows fit the workspace; BLOCK_K is the group, or 128 where the group is larger. BLOCK_M 16
+# is the least a dot takes (2-16 rows pad to it). benchmarks/quant_gpu.py --swap-sweep times more.
+SWAP_TILES = [(64, 16, 4, 3, True, True), (128, 16, 8, 3, True, True), (64, 32, 4, 3, True, True),
+              (64, 64, 4, 3, True, True), (128, 64, 8, 3, True, True), (128, 128, 8, 3, True, True),
+              (128, 128, 8, 3, False, False), (128, 256, 8, 3, False, False)]
+SWAP_SPLITS = (1, 2, 4)
+SWAP_MAX_BLOCK_K = 128
+WORKSPACE_ROWS = 16  # the split kernels' rows at most (GEMV_MAX_ROWS, and the swapped kernel's splits)
+
+
+def swap_rows_key(m: int) -> int:
+    """The autotuner's bucket of rows: tiles are tuned per power of two from 16."""
+    return max(16, 1 << (m - 1).bit_length())
+
+
+def _swap_configs() -> list:
+    return [triton.Config({"BLOCK_N": n, "BLOCK_M": bm, "SPLIT_K": sk, "PERM": perm, "XSUM_DOT": xs},
+                          num_warps=w, num_stages=st)
+            for n, bm, w, st, perm, xs in SWAP_TILES for sk in SWAP_SPLITS if sk == 1 or bm <= WORKSPACE_ROWS]
+
+
+def _swap_prune(configs, named_args, **kwargs):
+    rows, n, k, bits = named_args["ROWS_KEY"], named_args["N"], named_args["K"], kwargs["BITS"]
+    block_k = kwargs["BLOCK_K"]
+    kept = []
+    for c in configs:
+        bm, sk = c.kwargs["BLOCK_M"], c.kwargs["SPLIT_K"]
+        if bm > rows or (rows >= 64 and bm < min(rows, 256) // 4):  # tiles near the rows
+            continue
+        # splits only for rows that fit the workspace, at least 2 tiles each, while the blocks are few
+        if sk > 1 and (rows > WORKSPACE_ROWS or k // block_k < 2 * sk or -(-n // c.kwargs["BLOCK_N"]) * sk > 1056):
+            continue
+        if bits == 8 and c.kwargs["XSUM_DOT"]:  # no sum(x) for int8: the same kernel without the switch
+            c = triton.Config({**c.kwargs, "XSUM_DOT": False}, num_warps=c.num_warps, num_stages=c.num_stages)
+        if c.kwargs["PERM"] and not _swap_perm_ok(named_args["q_ptr"], kwargs["MAGIC"], block_k, bits):
+            c = triton.Config({**c.kwargs, "PERM": False}, num_warps=c.num_warps, num_stages=c.num_stages)
+        if all(c.all_kwargs() != d.all_kwargs() for d in kept):
+            kept.append(c)
+    return kept or configs[:1]
+
+
+_swap_tuned = (triton.autotune(configs=_swap_configs(), key=["N", "K", "ROWS_KEY", "BITS", "GROUP", "HAS_BIAS"],
+                               prune_configs_by={"early_config_prune": _swap_prune}, warmup=5, rep=25)(
+    _wq_swapped_kernel) if triton else None)
+
+
+def _swap_block_k(group: int, k: int) -> int | None:
+    """The swapped kernel's K tile: the group (or 128 of a larger one), dividing K; None if none fits."""
+    block_k = min(group, SWAP_MAX_BLOCK_K)
+    if block_k < 16 or block_k & (block_k - 1) or group % block_k or k % block_k:
+        return None
+    return block_k
+
+
+def _swap_perm_ok(q: torch.Tensor, magic: int, block_k: int, bits: int) -> bool:
+    """Whether the PERM order can take this weight: x in a 16-bit dtype (the magic), tiles of whole
+    lane blocks, and int4 rows of whole int32 words."""
+    if not magic or block_k < 32:
+        return False
+    return bits == 8 or not (q.stride(0) % 4 or q.storage_offset() % 4 or q.data_ptr() % 4)
+
+
 _workspaces: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
 _retired: list[torch.Tensor] = []  # replaced workspaces: a captured graph may still point at one
 
 
 def _workspace(device: torch.device, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The split GEMV's fp32 sums [GEMV_MAX_ROWS, n] and block counters, zero between calls; grown
+    """The split kernels' fp32 sums [WORKSPACE_ROWS, n] and block counters, zero between calls; grown
     (never shrunk or freed) at warm-up, before any CUDA graph is captured."""
     ws, cnt = _workspaces.get(device, (None, None))
-    if ws is None or ws.numel() < GEMV_MAX_ROWS * n or cnt.numel() < -(-n // 16):
+    if ws is None or ws.numel() < WORKSPACE_ROWS * n or cnt.numel() < -(-n // 16):
         assert device.type != "cuda" or not torch.cuda.is_current_stream_capturing(), \
             "wq_matmul: a GEMV shape first met inside CUDA-graph capture (warm up first)"
         if ws is not None:
             _retired.extend((ws, cnt))
-        size = max(n, 0 if ws is None else ws.numel() // GEMV_MAX_ROWS)
-        ws = torch.zeros(GEMV_MAX_ROWS * size, dtype=torch.float32, device=device)
+        size = max(n, 0 if ws is None else ws.numel() // WORKSPACE_ROWS)
+        ws = torch.zeros(WORKSPACE_ROWS * size, dtype=torch.float32, device=device)
         cnt = torch.zeros(-(-size // 16), dtype=torch.int32, device=device)
         _workspaces[device] = (ws, cnt)
     return ws, cnt
@@ -439,19 +639,29 @@ def _gemv_words(weight: QuantizedWeight, k: int) -> torch.Tensor | None:
     return q.view(torch.int32)
 
 
+# Where each path is chosen, by rows of x (benchmarks/quant_gpu.py --parts decode, H200, bf16):
+GEMV_ROWS = 1  # the GEMV up to this many rows
+SWAP_MAX_ROWS = 512  # the swapped kernel up to this many; above, dequantize + cuBLAS
+
+
 def decode_path(weight: QuantizedWeight, rows: int, dtype: torch.dtype) -> str:
-    """Which kernel takes ``rows`` (<= DECODE_MAX_ROWS) rows of x: "gemv" or "dequant" (module docstring)."""
+    """Which kernel takes ``rows`` rows of x: "gemv", "swapped", "dequant" (the older decode
+    kernel, up to DECODE_MAX_ROWS) or "dense" (dequantize + cuBLAS); module docstring."""
+    k = weight.shape[1]
     # float32 activations stay on the tensor cores (the GEMV takes them exactly, but was not timed so)
-    if rows <= GEMV_ROWS and dtype != torch.float32 and _gemv_words(weight, weight.shape[1]) is not None:
+    if rows <= GEMV_ROWS and dtype != torch.float32 and _gemv_words(weight, k) is not None:
         return "gemv"
-    return "dequant"
+    if rows <= SWAP_MAX_ROWS and _swap_block_k(weight.group_size, k) is not None:
+        return "swapped"
+    return "dequant" if rows <= DECODE_MAX_ROWS else "dense"
 
 
 def wq_matmul(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None = None,
               config: dict | None = None, path: str | None = None) -> torch.Tensor:
     """``F.linear(x, weight.dequantize(x.dtype), bias)``: x [M, K] -> [M, N]. ``path`` ("gemv",
-    "dequant") and ``config`` (the kernel's tile: BLOCK_N and BLOCK_KW, SPLITS for the GEMV;
-    BLOCK_M, BLOCK_N, BLOCK_K otherwise; num_warps, num_stages) override the choice (sweeps, tests)."""
+    "swapped", "dequant", "dense") and ``config`` (the kernel's tile: BLOCK_N and BLOCK_KW, SPLITS
+    for the GEMV; BLOCK_N, BLOCK_M, SPLIT_K, PERM, XSUM_DOT for the swapped kernel; BLOCK_M,
+    BLOCK_N, BLOCK_K for dequant; num_warps, num_stages) override the choice (sweeps, tests)."""
     check_launchable(x, weight.qweight)
     m, k = x.shape
     n = weight.shape[0]
@@ -461,10 +671,9 @@ def wq_matmul(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | Non
     if m == 0:
         return out
     if path is None:
-        if m > DECODE_MAX_ROWS:
-            # more rows: cuBLAS on a transient dense copy (module docstring)
-            return torch.nn.functional.linear(x, dequantize(weight, x.dtype), bias)
         path = decode_path(weight, m, x.dtype)
+    if path == "dense":  # cuBLAS on a transient dense copy (module docstring)
+        return torch.nn.functional.linear(x, dequantize(weight, x.dtype), bias)
     g = weight.group_size
     biases = weight.scales if weight.biases is None else weight.biases
     opts = dict(BITS=weight.bits, GROUP=g, HAS_BIAS=bias is not None, **pdl_launch(x.device))
@@ -490,9 +699,12 @@ def wq_matmul(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | Non
             _wq_gemv_kernel[(triton.cdiv(n, cfg["BLOCK_N"]), cfg["SPLITS"])](*args, **opts, M=m, SPLIT=cfg["SPLITS"] > 1,
                                                                             **cfg)
         return out
+    opts["DOT_PRECISION"] = "ieee" if x.dtype == torch.float32 else "tf32"
+    if path == "swapped":
+        _swapped(x, weight, out, bias_arg, biases, opts, config)
+        return out
     args = (x, weight.qweight, weight.scales, biases, bias_arg, out, m, n, k, x.stride(0), weight.qweight.stride(0),
             weight.scales.stride(0), out.stride(0))
-    opts["DOT_PRECISION"] = "ieee" if x.dtype == torch.float32 else "tf32"
     assert path == "dequant", path
     if config is not None:
         cfg = dict(config)
@@ -507,3 +719,32 @@ def wq_matmul(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | Non
     else:
         _tuned[lambda meta: (triton.cdiv(n, meta["BLOCK_N"]), triton.cdiv(m, 16))](*args, **opts, BLOCK_M=16)
     return out
+
+
+def _swapped(x: torch.Tensor, weight: QuantizedWeight, out: torch.Tensor, bias_arg: torch.Tensor,
+             biases: torch.Tensor, opts: dict, config: dict | None) -> None:
+    (m, k), n = x.shape, weight.shape[0]
+    block_k = _swap_block_k(weight.group_size, k)
+    assert block_k is not None, "the swapped kernel takes groups of a power of two >= 16 that divide K"
+    q = weight.qweight
+    magic, offset = SWAP_MAGIC.get(x.dtype, (0, 0.0))
+    perm_ok = _swap_perm_ok(q, magic, block_k, weight.bits)
+    opts.update(BLOCK_K=block_k, MAGIC=magic, OFFSET=offset)
+    ws, cnt = _workspace(x.device, n)
+    args = (x, q, weight.scales, biases, bias_arg, out, ws, cnt, m, n, k, x.stride(0), q.stride(0),
+            weight.scales.stride(0), out.stride(0), swap_rows_key(m))
+    if config is None and interpreting():
+        config = dict(BLOCK_N=16, BLOCK_M=16, SPLIT_K=2 if k // block_k >= 2 and m <= WORKSPACE_ROWS else 1,
+                      PERM=True, XSUM_DOT=True)
+    if config is None:
+        _swap_tuned[lambda meta: (triton.cdiv(n, meta["BLOCK_N"]), triton.cdiv(m, meta["BLOCK_M"]), meta["SPLIT_K"])](
+            *args, **opts)
+        return
+    cfg = dict(config)
+    cfg.setdefault("SPLIT_K", 1)
+    cfg.setdefault("XSUM_DOT", False)
+    cfg["PERM"] = bool(cfg.get("PERM", False)) and perm_ok
+    cfg["XSUM_DOT"] = bool(cfg["XSUM_DOT"]) and weight.bits == 4
+    assert cfg["SPLIT_K"] == 1 or m <= WORKSPACE_ROWS
+    _wq_swapped_kernel[(triton.cdiv(n, cfg["BLOCK_N"]), triton.cdiv(m, cfg["BLOCK_M"]), cfg["SPLIT_K"])](
+        *args, **opts, **cfg)

@@ -150,3 +150,45 @@ def test_gemv_keeps_zeros_and_large_activations_exact_enough(bits):
     want = torch.nn.functional.linear(x.float(), qw.dequantize().float(), bias.float())
     got = wq_matmul(x, qw, bias, path="gemv").float()
     assert ((got - want).norm() / want.norm()).item() < 1e-2  # bf16's rounding of the output
+
+
+# The swapped kernel (out^T = W x^T, the weight the dot's first operand). The interpreter runs no
+# bf16 dot, so fp16 (its magic 0x6400, 1024 + q) stands in for bf16's 0x4300; bf16 is checked on
+# a GPU (benchmarks/quant_gpu.py --parts decode prints each path's rel_err).
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("dtype,tol,perm,xsum_dot", [(torch.float32, 1e-5, False, False),  # no magic, no PERM
+                                                     (torch.float16, 1e-3, False, False),
+                                                     (torch.float16, 1e-3, True, False), (torch.float16, 1e-3, True, True)])
+@pytest.mark.parametrize("rows,group,k,split", [(2, 128, 256, 2), (20, 32, 128, 1)])  # 2 row tiles: 20
+def test_swapped_kernel_matches_the_reference(bits, dtype, tol, perm, xsum_dot, rows, group, k, split):
+    """Per-tile scales on the dot's result, int4's magic constant taken out with the bias, x read
+    in the PERM order (a lane's bytes contiguous), sum(x) as a dot, and K split through the workspace."""
+    qw, x, bias, want = _reference(bits, group, k, rows, dtype)
+    cfg = dict(BLOCK_N=16, BLOCK_M=16, SPLIT_K=split, PERM=perm, XSUM_DOT=xsum_dot)
+    for _ in range(2):  # the second call finds the split's workspace and counters left zero
+        got = wq_matmul(x, qw, bias, config=cfg, path="swapped")
+        assert got.shape == (rows, 37) and got.dtype == dtype
+        assert ((got.float() - want).norm() / want.norm()).item() < tol
+
+
+def test_swapped_kernel_takes_int4_rows_of_no_whole_words_in_byte_order():
+    """PERM reads int4 as int32 words; rows that are not 4-byte aligned fall back to the byte order."""
+    qw, x, bias, want = _reference(4, 128, 256, 3, torch.float16)
+    unaligned = torch.zeros(37, 130, dtype=torch.uint8)[:, 2:]  # rows 130 bytes apart, 2 bytes in
+    unaligned.copy_(qw.qweight)
+    qw.qweight = unaligned
+    got = wq_matmul(x, qw, bias, config=dict(BLOCK_N=16, BLOCK_M=16, PERM=True, XSUM_DOT=True), path="swapped")
+    assert ((got.float() - want).norm() / want.norm()).item() < 1e-3
+
+
+def test_each_path_is_chosen_by_rows_and_format():
+    from kernels.wq_matmul import GEMV_ROWS, SWAP_MAX_ROWS, decode_path
+
+    qw = quantize(torch.randn(64, 256), 4, 128)
+    assert decode_path(qw, GEMV_ROWS, torch.bfloat16) == "gemv"
+    assert decode_path(qw, GEMV_ROWS + 1, torch.bfloat16) == "swapped"
+    assert decode_path(qw, SWAP_MAX_ROWS, torch.bfloat16) == "swapped"
+    assert decode_path(qw, SWAP_MAX_ROWS + 1, torch.bfloat16) == "dense"
+    per_channel = quantize(torch.randn(64, 96), 8, 96)  # a group of no power of two: not the swapped kernel
+    assert decode_path(per_channel, 8, torch.bfloat16) == "dequant"
+    assert decode_path(per_channel, 17, torch.bfloat16) == "dense"
