@@ -78,6 +78,25 @@ def main() -> int:
         print(f"kv {kv}: triton vs torch greedy sequences equal {kv_same}/{len(prompts)}; "
               f"torch {kv} vs float pool {vs_float}/{len(prompts)}")
         kv_ok = kv_ok and kv_same >= len(prompts) - 1
+    # bf16 weights over a quantized pool: decode's dots on the "pairs" operands (the default) against
+    # "fp16", the same operands dotted in another order, so near-ties aside the same tokens.
+    from kernels import paged_attention
+
+    bf16 = dict(common, dtype="bfloat16")
+    bf16_model = LLMEngine(EngineConfig(**bf16, attention_backend="triton", cuda_graphs=False, num_kv_blocks=64,
+                                        async_scheduling=False), tokenizer=ref_engine.tokenizer)
+    for kv in ("int8", "fp8"):
+        outs = {}
+        for dots in ("fp16", "pairs"):
+            paged_attention.DECODE_QUANT_DOTS = dots
+            eng = LLMEngine(EngineConfig(**bf16, attention_backend="triton", cuda_graphs=True, num_kv_blocks=512,
+                                         kv_cache_dtype=kv), tokenizer=ref_engine.tokenizer, model=bf16_model.model)
+            outs[dots] = eng.generate(prompts, sp)
+            eng.close()
+        print(f"kv {kv}, bf16 model: decode dots pairs vs fp16 greedy sequences equal "
+              f"{sum(a == b for a, b in zip(outs['fp16'], outs['pairs']))}/{len(prompts)}")
+    paged_attention.DECODE_QUANT_DOTS = "pairs"
+    bf16_model.close()
     return 0 if same == len(prompts) and sampled_same == len(prompts) and kv_ok else 1
 
 

@@ -14,8 +14,9 @@ Model: dummy:llama-3.1-8b in bf16 (random weights, loaded once and shared by the
     max_num_seqs, bounds the running batch. Output tok/s, wall time, preemptions, mean batch.
 (3) Decode attention alone (kernels.paged_decode_attention): batch 64 x 4,096-token contexts,
     32 query / 8 KV heads of 128: ms per call and live KV bytes read per second, against the
-    measured copy bandwidth. --decode-operands: only this, each quantized pool with its dots on
-    bf16 and on fp16 operands (paged_attention.DECODE_QUANT_FP16_DOTS), interleaved over --rounds.
+    measured copy bandwidth. --decode-operands: only this, for each of --variants (a pool and
+    decode's dot operands, paged_attention.DECODE_QUANT_DOTS), interleaved over --rounds, with the
+    max abs error against the fp32 reference.
 """
 
 from __future__ import annotations
@@ -49,28 +50,51 @@ def storage(name: str) -> torch.dtype:
     return torch.bfloat16 if name == "auto" else KV_CACHE_DTYPES[name]
 
 
-def decode_attention(name: str, device, batch=64, ctx=4096, heads=32, kv_heads=8, dim=128, bs=16) -> dict:
-    from kernels import paged_decode_attention
+def _decode_pool(name: str, device, batch=64, ctx=4096, heads=32, kv_heads=8, dim=128, bs=16, gaussian=False):
+    """A pool of ``batch`` x ``ctx``-token sequences, its tables and a bf16 q. Random bytes (0-119,
+    finite values of both int8 and e4m3) with scales U(0.01, 0.02), or with ``gaussian`` normal K/V
+    quantized as the engine stores them (and a q of 3 x normal, so the softmax is peaked)."""
+    from kernels.kv_quant import quantize_kv
 
     blocks_per_seq = ctx // bs
     layer = allocate_kv_pool(1, batch * blocks_per_seq, bs, kv_heads, dim, storage(name), device)[0]
-    for t in (layer.k, layer.v):
-        if t.element_size() == 1:  # int8 / fp8: random bytes, 0-119 being finite values of both
+    for i, t in enumerate((layer.k, layer.v)):
+        if gaussian:
+            x = torch.randn(t.shape, device=device)
+            if layer.scales is None:
+                t.copy_(x)
+            else:
+                stored, scale = quantize_kv(x, t.dtype)
+                t.copy_(stored)
+                layer.scales[i].copy_(scale.transpose(1, 2))
+        elif t.element_size() == 1:
             t.view(torch.uint8).random_(0, 120)
         else:
             t.normal_()
-    if layer.scales is not None:
+    if layer.scales is not None and not gaussian:
         for s in layer.scales:
             s.uniform_(0.01, 0.02)
-    q = torch.randn(batch, heads, dim, dtype=torch.bfloat16, device=device)
+    q = ((3 if gaussian else 1) * torch.randn(batch, heads, dim, device=device)).bfloat16()
     tables = torch.randperm(batch * blocks_per_seq, device=device).view(batch, blocks_per_seq).int()
     lens = torch.full((batch,), ctx, dtype=torch.int32, device=device)
+    return layer, q, tables, lens
+
+
+def decode_attention(name: str, device, pool=None, num_splits=None, reference=None) -> dict:
+    """ms per call (5 warm-up, 50 timed eager calls) and live KV bytes read per second; with
+    ``reference`` (the fp32 output), the max abs error of the bf16 output against it."""
+    from kernels import paged_decode_attention
+
+    layer, q, tables, lens = pool or _decode_pool(name, device)
+    batch, _, dim = q.shape
+    ctx, kv_heads = int(lens[0]), layer.k.shape[2]
 
     def call():
-        return paged_decode_attention(q, layer.k, layer.v, tables, lens, dim**-0.5, kv_scales=layer.scales)
+        return paged_decode_attention(q, layer.k, layer.v, tables, lens, dim**-0.5, num_splits=num_splits,
+                                      kv_scales=layer.scales)
 
     for _ in range(5):
-        call()
+        out = call()
     torch.cuda.synchronize()
     n = 50
     start = time.perf_counter()
@@ -79,25 +103,57 @@ def decode_attention(name: str, device, batch=64, ctx=4096, heads=32, kv_heads=8
     torch.cuda.synchronize()
     ms = 1e3 * (time.perf_counter() - start) / n
     live = 2 * batch * ctx * kv_heads * (dim * layer.k.element_size() + (4 if layer.scales is not None else 0))
-    return {"ms": ms, "live_kv_bytes": live, "gb_per_s": live / ms / 1e6}
+    r = {"ms": ms, "live_kv_bytes": live, "gb_per_s": live / ms / 1e6}
+    if reference is not None:
+        r["max_abs_err"] = (out.float() - reference).abs().max().item()
+        r["rel_l2_err"] = ((out.float() - reference).norm() / reference.norm()).item()
+    return r
 
 
-def decode_operands(dtypes: list[str], device, rounds: int) -> dict:
-    """(3) per dtype, and for a quantized pool per dot operand dtype, interleaved over ``rounds``."""
+def _reference(pool, device) -> torch.Tensor:
+    from kernels import paged_decode_attention_ref
+
+    layer, q, tables, lens = pool
+    return paged_decode_attention_ref(q.float(), layer.k, layer.v, tables, lens, q.shape[-1] ** -0.5,
+                                      kv_scales=layer.scales)
+
+
+# --decode-operands' default variants: pool[:dots[:rN (register cap, 0: none)][:sN (splits)]]; the
+# module's defaults where not given
+VARIANTS = ["auto", "fp8:fp16:r0", "fp8", "fp8:8bit_qk", "int8:fp16:r0", "int8", "int8:8bit_qk"]
+
+
+def decode_operands(variants: list[str], device, rounds: int, accuracy_batch: int = 8) -> dict:
+    """(3) per variant (the pool's dtype, decode's dot operands paged_attention.DECODE_QUANT_DOTS, a
+    register cap, a split count), interleaved over ``rounds``, each pool built once; the max abs
+    error against the fp32 reference, on the timed pool and on ``accuracy_batch`` sequences of
+    normal K/V with a peaked softmax."""
     from kernels import paged_attention as pa
 
-    saved = pa.DECODE_QUANT_FP16_DOTS
+    saved = pa.DECODE_QUANT_DOTS, pa.DECODE_QUANT_MAXNREG
+    pools, refs, gauss = {}, {}, {}
     out: dict[str, list] = {}
     for r in range(rounds):
-        for name in dtypes:
-            for fp16 in ((False, True) if name != "auto" else (False,)):
-                pa.DECODE_QUANT_FP16_DOTS = fp16
-                key = f"{name} {'fp16' if fp16 else 'bf16'} operands"
-                res = out.setdefault(key, [])
-                res.append(decode_attention(name, device))
-                torch.cuda.empty_cache()
-                print(f"  round {r} {key:20s} {res[-1]['ms']:.3f} ms {res[-1]['gb_per_s']:.0f} GB/s", flush=True)
-    pa.DECODE_QUANT_FP16_DOTS = saved
+        for spec in variants:
+            name, *opts = spec.split(":")
+            pa.DECODE_QUANT_DOTS = opts[0] if opts else saved[0]
+            pa.DECODE_QUANT_MAXNREG = next((int(o[1:]) or None for o in opts[1:] if o[0] == "r"), saved[1])
+            splits = next((int(o[1:]) for o in opts[1:] if o[0] == "s"), None)
+            if name not in pools:
+                torch.manual_seed(0)
+                pools[name] = _decode_pool(name, device)
+                refs[name] = _reference(pools[name], device)
+                gauss[name] = _decode_pool(name, device, batch=accuracy_batch, gaussian=True)
+                gauss[name] = (gauss[name], _reference(gauss[name], device))
+            res = decode_attention(name, device, pools[name], splits, refs[name])
+            if r == 0:
+                g = decode_attention(name, device, gauss[name][0], splits, gauss[name][1])
+                res["gaussian_max_abs_err"], res["gaussian_rel_l2_err"] = g["max_abs_err"], g["rel_l2_err"]
+            out.setdefault(spec, []).append(res)
+            print(f"  round {r} {spec:22s} {res['ms']:.3f} ms {res['gb_per_s']:5.0f} GB/s  max err {res['max_abs_err']:.4f}"
+                  + (f"  normal K/V: max err {res['gaussian_max_abs_err']:.4f} rel {res['gaussian_rel_l2_err']:.2e}"
+                     if r == 0 else ""), flush=True)
+    pa.DECODE_QUANT_DOTS, pa.DECODE_QUANT_MAXNREG = saved
     return out
 
 
@@ -159,7 +215,8 @@ def main() -> None:
     ap.add_argument("--skip-workload", action="store_true")
     ap.add_argument("--sweep-decode", action="store_true", help="only: decode attention's tile configs per dtype")
     ap.add_argument("--decode-operands", action="store_true",
-                    help="only: decode attention per dtype, a quantized pool's dots on bf16 and on fp16 operands")
+                    help="only: decode attention per --variants (a pool's dtype and its dot operands), with errors")
+    ap.add_argument("--variants", nargs="+", default=VARIANTS, help="with --decode-operands: pool[:dots[:rN][:sN]]")
     ap.add_argument("--rounds", type=int, default=3, help="with --decode-operands")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
@@ -172,7 +229,7 @@ def main() -> None:
         if args.sweep_decode:
             results["sweep"] = sweep_decode(args.dtypes, device)
         else:
-            results["decode_operands"] = decode_operands(args.dtypes, device, args.rounds)
+            results["decode_operands"] = decode_operands(args.variants, device, args.rounds)
         if args.out:
             Path(args.out).write_text(json.dumps(results, indent=1))
         return

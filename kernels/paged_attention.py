@@ -29,14 +29,16 @@ An int8 or fp8 pool (kernels/kv_quant.py: a scale per token and KV head beside t
 head's scales of a block contiguous) is dequantized in registers, never as a whole tile: the raw
 K tile, exact in q's dtype, goes into the dot and each token's K scale multiplies its column of
 scores; each token's V scale multiplies its column of p before the PV dot. ``KV_QMAX`` (0 for a
-float pool) makes it a compile-time variant, so a float pool's kernels are as they were.
+float pool) makes it a compile-time variant, so a float pool's kernels are as they were. Decode with
+a bf16/fp16 q reads such a pool's tiles as uint16 byte pairs (DECODE_QUANT_DOTS "pairs"), so they
+reach the dots the way a bf16 pool's do.
 """
 
 from __future__ import annotations
 
 import torch
 
-from kernels._triton import cdiv, check_launchable, jit, next_power_of_2, pdl_launch, sm_count, tl, wait_for_producer
+from kernels._triton import cdiv, check_launchable, interpreting, jit, next_power_of_2, pdl_launch, sm_count, tl, wait_for_producer
 from kernels.kv_store import kv_scale, kv_scale_args, quantize, scale_offsets
 from kernels.rotary import _rotate
 
@@ -59,17 +61,36 @@ WIDE_MIN_PROGRAMS_PER_SM = 8
 # 128 tokens, 4 warps, 3 stages best for both fp8 and int8: fp8 0.301 ms, against 0.428 ms with
 # DECODE_NARROW, which that grid would otherwise get.
 DECODE_QUANT = (128, 4, 3)
-# With a bf16 q over an int8/fp8 pool, decode runs its dots on fp16 operands: q converted once a
-# program, each K/V element straight to fp16 (e4m3 -> fp16 is one cvt per two elements on Hopper;
-# to bf16 it goes through fp16), p * scale rounded to fp16; accumulation stays fp32. Exact for the
-# K/V bytes (int8 and e4m3 values are fp16 values) and for q with 2^-14 <= |q| <= 65504 (a bf16
-# value in that range is an fp16 value; smaller ones lose bits, larger ones overflow). The
-# assumption: a real model's q stays far below 65504 (Llama-style q, after RoPE, in the tens to
-# hundreds). p * scale under 2^-14 rounds as an fp16 subnormal: an absolute error under 2^-25 of
-# a V scale's unit, negligible against the sum (l >= 1). False: the operands are q's dtype.
-# H200, batch 64 x 4,096 tokens (docs/BENCHMARKS.md): fp8 0.255 ms against 0.286 with bf16
-# operands, int8 0.282 against 0.285.
-DECODE_QUANT_FP16_DOTS = True
+# The dot operands of decode over an int8/fp8 pool with a bf16 or fp16 q (a float32 q always
+# runs its dots in float32). H200, batch 64 x 4,096 tokens, 8 KV heads (docs/BENCHMARKS.md):
+#   "q"      q's dtype: each K/V element converted to it, p * scale rounded to it. fp8 0.286 ms.
+#   "fp16"   q converted to fp16 once a program, each K/V element straight to fp16, p * scale
+#            rounded to fp16; accumulation stays fp32. Exact for the K/V bytes (int8 and e4m3
+#            values are fp16 values) and for q with 2^-14 <= |q| <= 65504 (a bf16 value in that
+#            range is an fp16 value; smaller ones lose bits, larger ones overflow). The assumption:
+#            a real model's q stays far below 65504 (Llama-style q, after RoPE, in the tens to
+#            hundreds). p * scale under 2^-14 rounds as an fp16 subnormal: an absolute error under
+#            2^-25 of a V scale's unit, negligible against the sum (l >= 1). fp8 0.256 ms, int8 0.285.
+#   "pairs"  as "fp16", but the tiles are read as uint16 pairs of bytes (_attend_tile_pairs): an
+#            8-bit tile goes from shared memory to a dot's operand a byte or two a load, with
+#            address arithmetic for each, where a 16-bit one goes by ldmatrix (.trans for V), and
+#            one prmt and two converts (_split_pairs) turn two pairs into fp16 operands. The same
+#            operands and so the same results as "fp16" (the dot over D runs as two over D / 2).
+#            fp8 0.184 ms, int8 0.191; with the register cap below 0.148 / 0.149 (bf16's pool: 0.290).
+#   "8bit"   the bytes go into the dots as stored, SageAttention / FA3-FP8 style: q quantized once
+#            a program to the pool's type with a scale per query head (amax / QMAX, as a K/V
+#            token's) and S^T = K q^T an e4m3 (or s8) wgmma, with tokens as the dot's M (a 16-row
+#            q as M gets mma.sync, which takes no e4m3 on sm_90: Triton converts to fp16); the scales
+#            after the dot. For an fp8 pool PV is an e4m3 wgmma too, p * v_scale over the tile's
+#            largest V scale times 448 rounded to e4m3; Triton transposes V for it byte by byte
+#            through shared memory. fp8 0.659 ms, max error 26x "fp16"'s on normal K/V.
+#   "8bit_qk" as "8bit" with PV on fp16 operands: fp8 0.233 ms, error 21x; int8 0.253 ms, 8x.
+#            (int8 p would round every p under 1/254 of the tile's largest to zero: no int8 PV.)
+DECODE_QUANT_DOTS = "pairs"
+# A register cap for decode over an int8/fp8 pool (None: the compiler's choice). "pairs" takes 152-164
+# registers a thread, 3 programs (4 warps) a SM; at 128 (a few spills outside the loop), 4. At
+# batch 64 x 8 KV heads (512 programs, 132 SMs) that is one wave instead of 1.3: 0.184 -> 0.148 ms.
+DECODE_QUANT_MAXNREG = 128
 # Prefill tiles as swept on an H100 (benchmarks/kernels_gpu.py --sweep-prefill, 54 configs): a Q tile
 # of 64 rows (16 tokens x 4 heads), 64 keys a step, 2 stages took an 8,192-token admission step
 # in 0.241 ms a layer and 4 x 512 tokens after cached prefixes in 0.232 ms, against 0.270 / 0.267
@@ -93,8 +114,10 @@ def _attend_tile(
     q_pos,  # [M] position of each row's query token
     qk_scale, stride_kb, stride_kt, offs_d, d_mask,
     ks_ptr, vs_ptr, stride_sb,  # KV_QMAX > 0: the scales, pointers at this KV head's (a block's contiguous)
+    q_rs,  # KV_QMAX > 0: qk_scale, or with 8-bit QK dots [M] q's row scales times it
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr,
     KV_QMAX: tl.constexpr,
+    DOTS: tl.constexpr,  # KV_QMAX > 0: see DECODE_QUANT_DOTS ("fp16": q arrives in fp16)
 ):
     """One online-softmax step over BLOCK_N context tokens gathered through the block table."""
     pos = n_start + tl.arange(0, BLOCK_N)
@@ -103,10 +126,19 @@ def _attend_tile(
     tok = blk * stride_kb + (pos % BLOCK_SIZE).to(tl.int64) * stride_kt + kv_head_off
     kv_mask = p_mask[:, None] & d_mask[None, :]
     k = tl.load(k_ptr + tok[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+    QK8: tl.constexpr = DOTS == "8bit" or DOTS == "8bit_qk"  # q arrives in the pool's dtype
+    PV8: tl.constexpr = DOTS == "8bit" and KV_QMAX == 448.0
     if KV_QMAX > 0:  # a token's K scale multiplies its column of scores: [BLOCK_N], not [BLOCK_N, D]
         tok_scale = blk * stride_sb + (pos % BLOCK_SIZE).to(tl.int64)
         ks = tl.load(ks_ptr + tok_scale, mask=p_mask, other=0.0)
-        s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION) * (ks * qk_scale)[None, :]
+        if QK8:  # S^T = K q^T, the bytes as stored: tokens are the dot's M (wgmma wants 64 and up)
+            if KV_QMAX == 127.0:
+                s = tl.trans(tl.dot(k, tl.trans(q), out_dtype=tl.int32).to(tl.float32))
+            else:
+                s = tl.trans(tl.dot(k, tl.trans(q)))
+            s = s * q_rs[:, None] * ks[None, :]  # q's scales (qk_scale in them) and K's after the dot
+        else:
+            s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION) * (ks * q_rs)[None, :]
     else:
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
     if CAUSAL:
@@ -118,10 +150,84 @@ def _attend_tile(
     v = tl.load(v_ptr + tok[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
     if KV_QMAX > 0:  # and its V scale its column of p (l_i above sums p unscaled)
         vs = tl.load(vs_ptr + tok_scale, mask=p_mask, other=0.0)
-        acc = acc * alpha[:, None] + tl.dot((p * vs[None, :]).to(q.dtype), v.to(q.dtype), input_precision=DOT_PRECISION)
+        if PV8:  # O^T = V^T (p x vs)^T; p * vs over the tile's largest vs is <= 1 (p is): x 448 fits e4m3
+            w = tl.maximum(tl.max(vs, 0), 1e-30)
+            pv = (p * (vs * (448.0 / w))[None, :]).to(v.dtype)
+            acc = acc * alpha[:, None] + tl.trans(tl.dot(tl.trans(v), tl.trans(pv))) * (w / 448.0)
+        else:
+            op: tl.constexpr = tl.float16 if QK8 else q.dtype
+            acc = acc * alpha[:, None] + tl.dot((p * vs[None, :]).to(op), v.to(op), input_precision=DOT_PRECISION)
     else:
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
     return m_new, l_i, acc
+
+
+@jit
+def _bytes_to_fp16(x, DTYPE: tl.constexpr):
+    """One byte of int8 or e4m3 bits (x, an integer) as fp16."""
+    if DTYPE == tl.int8:
+        return x.to(tl.uint8).to(tl.int8, bitcast=True).to(tl.float16)
+    return x.to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float16)
+
+
+@jit
+def _split_pairs(x, DTYPE: tl.constexpr, ASM: tl.constexpr):
+    """uint16 pairs of int8 / e4m3 bytes -> (low bytes, high bytes) as fp16. ASM: two pairs a
+    32-bit register, one prmt gathers the low bytes and the high bytes, and each gathered pair is one
+    cvt (e4m3x2 -> f16x2) or, for int8, the fp16 0x64XX trick (bits 0x6400 | (b ^ 0x80) are the
+    value 1152 + b: one prmt, one sub each); plain Triton spends masks, shifts and a convert each."""
+    if not ASM:
+        return _bytes_to_fp16(x & 0xFF, DTYPE), _bytes_to_fp16(x >> 8, DTYPE)
+    if DTYPE == tl.int8:
+        return tl.inline_asm_elementwise(
+            "{ .reg .b32 t, lo, hi; xor.b32 t, $2, 0x80808080;"
+            " prmt.b32 lo, t, 0x64646464, 0x6240; prmt.b32 hi, t, 0x64646464, 0x6341;"
+            " mov.b32 t, 0x64806480; sub.f16x2 $0, lo, t; sub.f16x2 $1, hi, t; }",
+            "=r,=r,r", [x], dtype=(tl.float16, tl.float16), is_pure=True, pack=2)
+    return tl.inline_asm_elementwise(
+        "{ .reg .b32 t; .reg .b16 lo, hi; prmt.b32 t, $2, 0, 0x3120; mov.b32 {lo, hi}, t;"
+        " cvt.rn.f16x2.e4m3x2 $0, lo; cvt.rn.f16x2.e4m3x2 $1, hi; }",
+        "=r,=r,r", [x], dtype=(tl.float16, tl.float16), is_pure=True, pack=2)
+
+
+@jit
+def _attend_tile_pairs(
+    q_lo, q_hi, m_i, l_i, acc_lo, acc_hi,  # q's and the output's even and odd dims: [M, D / 2] each
+    k_ptr, v_ptr, bt_row, kv_head_off, n_start, kv_end, q_rs, stride_kb, stride_kt, offs_d2, d2_mask,
+    ks_ptr, vs_ptr, stride_sb,
+    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, ASM: tl.constexpr,
+):
+    """_attend_tile over an int8/fp8 pool, reading its bytes two at a time as uint16: 16-bit tiles
+    go from shared memory to the dots' operands by ldmatrix (.trans for V), where 8-bit ones take a
+    load per element; each pair's low byte (even dim) and high byte (odd dim) become fp16 operands of
+    two dots of D / 2."""
+    DTYPE: tl.constexpr = k_ptr.dtype.element_ty
+    k16 = k_ptr.to(tl.pointer_type(tl.uint16))
+    v16 = v_ptr.to(tl.pointer_type(tl.uint16))
+    pos = n_start + tl.arange(0, BLOCK_N)
+    p_mask = pos < kv_end
+    blk = tl.load(bt_row + pos // BLOCK_SIZE, mask=p_mask, other=0).to(tl.int64)
+    tok = (blk * stride_kb + (pos % BLOCK_SIZE).to(tl.int64) * stride_kt + kv_head_off) // 2
+    kv_mask = p_mask[:, None] & d2_mask[None, :]
+    k = tl.load(k16 + tok[:, None] + offs_d2[None, :], mask=kv_mask, other=0)
+    tok_scale = blk * stride_sb + (pos % BLOCK_SIZE).to(tl.int64)
+    ks = tl.load(ks_ptr + tok_scale, mask=p_mask, other=0.0)
+    k_lo, k_hi = _split_pairs(k, DTYPE, ASM)
+    s = tl.dot(q_lo, tl.trans(k_lo))
+    s = tl.dot(q_hi, tl.trans(k_hi), s)
+    s = s * (ks * q_rs)[None, :]
+    s = tl.where(p_mask[None, :], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    p = tl.exp2(s - m_new[:, None])
+    alpha = tl.exp2(m_i - m_new)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    v = tl.load(v16 + tok[:, None] + offs_d2[None, :], mask=kv_mask, other=0)
+    vs = tl.load(vs_ptr + tok_scale, mask=p_mask, other=0.0)
+    pv = (p * vs[None, :]).to(tl.float16)
+    v_lo, v_hi = _split_pairs(v, DTYPE, ASM)
+    acc_lo = tl.dot(pv, v_lo, acc_lo * alpha[:, None])
+    acc_hi = tl.dot(pv, v_hi, acc_hi * alpha[:, None])
+    return m_new, l_i, acc_lo, acc_hi
 
 
 # The block table's width (stride_bt) follows the step's longest sequence, and a mixed step's
@@ -139,7 +245,7 @@ def _decode_kernel(
     NUM_SPLITS: tl.constexpr, HAS_ORDER: tl.constexpr, ROPE_STORE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     KV_QMAX: tl.constexpr,  # 0: a float pool; else an int8/fp8 pool's QMAX
-    FP16_DOTS: tl.constexpr,  # KV_QMAX > 0: q (and so the tiles' operands) in fp16, see DECODE_QUANT_FP16_DOTS
+    DOTS: tl.constexpr,  # KV_QMAX > 0: the dots' operands, see DECODE_QUANT_DOTS
     USE_PDL: tl.constexpr,
 ):
     wait_for_producer(USE_PDL)
@@ -197,28 +303,51 @@ def _decode_kernel(
         tiles_end = tl.minimum(end, ctx - 1)
     else:
         tiles_end = end
-    if FP16_DOTS:  # _attend_tile converts K, V and p * scale to q's dtype; the new token below follows
+    q_rs = qk_scale  # with 8-bit QK dots, q's row scales times qk_scale
+    QK8: tl.constexpr = DOTS == "8bit" or DOTS == "8bit_qk"
+    if DOTS == "fp16":  # _attend_tile converts K, V and p * scale to q's dtype; the new token below follows
         q = q.to(tl.float16)
+    elif QK8:  # q quantized as the pool stores a K/V token (kv_store.quantize), a scale per query head
+        q_scale = kv_scale(tl.max(tl.abs(q.to(tl.float32)), 1), KV_QMAX)
+        q = quantize(q, q_scale[:, None], k_ptr.dtype.element_ty, KV_QMAX)
+        q_rs = q_scale * qk_scale
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
     q_pos = tl.zeros([BLOCK_G], tl.int32) + (ctx - 1)
     bt_row = bt_ptr + b.to(tl.int64) * stride_bt
-    for n in range(start, tiles_end, BLOCK_N):
-        m_i, l_i, acc = _attend_tile(
-            q, m_i, l_i, acc, k_ptr, v_ptr, bt_row, kvh * stride_kh, n, tiles_end, q_pos,
-            qk_scale, stride_kb, stride_kt, offs_d, d_mask, ks_ptr + kvh * stride_sh, vs_ptr + kvh * stride_sh,
-            stride_sb, BLOCK_SIZE, BLOCK_N, True, DOT_PRECISION, KV_QMAX,
-        )
+    if DOTS == "pairs" or DOTS == "pairs_asm":
+        q_lo, q_hi = tl.split(tl.reshape(q, [BLOCK_G, BLOCK_D // 2, 2]))
+        q_lo = q_lo.to(tl.float16)
+        q_hi = q_hi.to(tl.float16)
+        acc_lo = tl.zeros([BLOCK_G, BLOCK_D // 2], tl.float32)
+        acc_hi = tl.zeros([BLOCK_G, BLOCK_D // 2], tl.float32)
+        offs_d2 = tl.arange(0, BLOCK_D // 2)
+        for n in range(start, tiles_end, BLOCK_N):
+            m_i, l_i, acc_lo, acc_hi = _attend_tile_pairs(
+                q_lo, q_hi, m_i, l_i, acc_lo, acc_hi, k_ptr, v_ptr, bt_row, kvh * stride_kh, n, tiles_end, q_rs,
+                stride_kb, stride_kt, offs_d2, offs_d2 < HEAD_DIM // 2, ks_ptr + kvh * stride_sh,
+                vs_ptr + kvh * stride_sh, stride_sb, BLOCK_SIZE, BLOCK_N, DOTS == "pairs_asm",
+            )
+        acc = tl.reshape(tl.join(acc_lo, acc_hi), [BLOCK_G, BLOCK_D])
+    else:
+        for n in range(start, tiles_end, BLOCK_N):
+            m_i, l_i, acc = _attend_tile(
+                q, m_i, l_i, acc, k_ptr, v_ptr, bt_row, kvh * stride_kh, n, tiles_end, q_pos,
+                qk_scale, stride_kb, stride_kt, offs_d, d_mask, ks_ptr + kvh * stride_sh, vs_ptr + kvh * stride_sh,
+                stride_sb, q_rs, BLOCK_SIZE, BLOCK_N, True, DOT_PRECISION, KV_QMAX, DOTS,
+            )
     if ROPE_STORE:  # the new token, one more online-softmax step (as _attend_tile rounds p for PV)
-        if KV_QMAX > 0:  # scaled as _attend_tile scales a tile's scores and p
-            s_new = tl.sum(q.to(tl.float32) * k_new.to(tl.float32)[None, :], 1) * (k_scale * qk_scale)
+        if KV_QMAX > 0:  # scaled as _attend_tile scales a tile's scores and p (8-bit q: as the tiles saw it)
+            s_new = tl.sum(q.to(tl.float32) * k_new.to(tl.float32)[None, :], 1) * (k_scale * q_rs)
         else:
             s_new = tl.sum(q.to(tl.float32) * k_new.to(tl.float32)[None, :], 1) * qk_scale
         m_new = tl.maximum(m_i, s_new)
         p = tl.exp2(s_new - m_new)
         alpha = tl.exp2(m_i - m_new)
-        if KV_QMAX > 0:
+        if QK8:  # p * v_scale unrounded: one token, no dot
+            pv = (p * v_scale)[:, None] * v_new.to(tl.float32)[None, :]
+        elif KV_QMAX > 0:
             pv = (p * v_scale).to(q.dtype).to(tl.float32)[:, None] * v_new.to(tl.float32)[None, :]
         else:
             pv = p.to(v_new.dtype).to(tl.float32)[:, None] * v_new.to(tl.float32)[None, :]
@@ -329,14 +458,14 @@ def _prefill_kernel(
         m_i, l_i, acc = _attend_tile(
             q, m_i, l_i, acc, k_ptr, v_ptr, bt_row, kv_head_off, n, full_end, q_pos,
             qk_scale, stride_kb, stride_kt, offs_d, d_mask, ks_ptr + kvh * stride_sh, vs_ptr + kvh * stride_sh,
-            stride_sb, BLOCK_SIZE, BLOCK_N, False, DOT_PRECISION, KV_QMAX,
+            stride_sb, qk_scale, BLOCK_SIZE, BLOCK_N, False, DOT_PRECISION, KV_QMAX, "q",
         )
     kv_end = tl.minimum(prefix + tok0 + BLOCK_Q, ctx)  # one past the tile's last query position
     for n in range(full_end, kv_end, BLOCK_N):
         m_i, l_i, acc = _attend_tile(
             q, m_i, l_i, acc, k_ptr, v_ptr, bt_row, kv_head_off, n, kv_end, q_pos,
             qk_scale, stride_kb, stride_kt, offs_d, d_mask, ks_ptr + kvh * stride_sh, vs_ptr + kvh * stride_sh,
-            stride_sb, BLOCK_SIZE, BLOCK_N, True, DOT_PRECISION, KV_QMAX,
+            stride_sb, qk_scale, BLOCK_SIZE, BLOCK_N, True, DOT_PRECISION, KV_QMAX, "q",
         )
     o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     tl.store(
@@ -378,6 +507,15 @@ def _output(q: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
 def _dot_precision(dtype: torch.dtype) -> str:
     # fp32 inputs would otherwise run as TF32 on tensor cores (about 3 significant digits).
     return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def _decode_dots(q_dtype: torch.dtype, qmax: float) -> str:
+    """Decode's dot operands (DECODE_QUANT_DOTS) for this q over this pool; "pairs" converts by
+    inline PTX, which the interpreter cannot run, when compiled ("pairs_asm")."""
+    assert DECODE_QUANT_DOTS in ("q", "fp16", "pairs", "8bit", "8bit_qk"), DECODE_QUANT_DOTS
+    if not qmax or q_dtype == torch.float32:
+        return "q"
+    return "pairs_asm" if DECODE_QUANT_DOTS == "pairs" and not interpreting() else DECODE_QUANT_DOTS
 
 
 def default_num_splits(batch: int, num_kv_heads: int, max_context: int, device: torch.device) -> int:
@@ -435,6 +573,7 @@ def paged_decode_attention(
         part_o = part_lse = out  # unused
     block_d = next_power_of_2(head_dim)
     pdl = pdl_launch(q.device)
+    dots = _decode_dots(q.dtype, qmax)
     if qmax:
         block_n, num_warps, num_stages = DECODE_QUANT
     elif batch * num_kv_heads * num_splits >= WIDE_MIN_PROGRAMS_PER_SM * sm_count(q.device):
@@ -462,8 +601,9 @@ def paged_decode_attention(
         BLOCK_N=block_n if block_d <= 128 else block_n // 2,  # K/V stages in shared memory
         NUM_SPLITS=num_splits, HAS_ORDER=order is not None, ROPE_STORE=rope_store is not None,
         DOT_PRECISION=_dot_precision(q.dtype), KV_QMAX=qmax,
-        FP16_DOTS=bool(qmax) and DECODE_QUANT_FP16_DOTS and q.dtype == torch.bfloat16,
+        DOTS=dots,
         num_warps=num_warps, num_stages=num_stages, **pdl,
+        **({"maxnreg": DECODE_QUANT_MAXNREG} if dots == "pairs_asm" and DECODE_QUANT_MAXNREG else {}),
     )
     if num_splits > 1:
         _decode_merge_kernel[(batch, num_heads)](

@@ -71,7 +71,7 @@ def _decode_args(splits: int, block_n: int = paged_attention.DECODE_BLOCK_N, poo
         HEAD_DIM=C(128), BLOCK_D=C(128), BLOCK_SIZE=C(16), BLOCK_N=C(block_n),
         NUM_SPLITS=C(splits), DOT_PRECISION=C("tf32"),
         # as paged_decode_attention launches a bf16 q over a quantized pool
-        FP16_DOTS=C(bool(POOLS[pool]) and paged_attention.DECODE_QUANT_FP16_DOTS),
+        DOTS=C(paged_attention._decode_dots(torch.bfloat16, POOLS[pool])),
     )
 
 
@@ -112,6 +112,9 @@ def quantized_cases() -> list[tuple]:
              _decode_args(1, paged_attention.DECODE_QUANT[0], pool), *paged_attention.DECODE_QUANT[1:], True),
             (f"decode {name}, 8 splits", paged_attention._decode_kernel,
              _decode_args(8, paged_attention.DECODE_QUANT[0], pool), *paged_attention.DECODE_QUANT[1:], True),
+            (f"decode {name}, 8-bit dots", paged_attention._decode_kernel,
+             {**_decode_args(1, paged_attention.DECODE_QUANT[0], pool), "DOTS": C("8bit")},
+             *paged_attention.DECODE_QUANT[1:], True),
             (f"prefill {name}, group 4", paged_attention._prefill_kernel, _prefill_args(4, pool), *_prefill_launch(),
              True),
             (f"store_kv {name}", kv_store._store_kv_quant_kernel, dict(

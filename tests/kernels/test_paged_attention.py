@@ -307,15 +307,17 @@ def test_decode_and_prefill_fp16_over_a_quantized_pool(cache_dtype):
 BF16_ATOL, BF16_RTOL = 1e-3, 2e-2  # bf16 outputs: rounding to 8 bits, and near-zero outputs
 
 
+@pytest.mark.parametrize("dots", ["fp16", "pairs"])
 @pytest.mark.parametrize("cache_dtype", QUANT_DTYPES)
-def test_decode_bf16_over_a_quantized_pool_with_fp16_dots(monkeypatch, cache_dtype):
-    # A bf16 q with DECODE_QUANT_FP16_DOTS: q converted to fp16 once, K/V straight to fp16, p * scale
-    # rounded to fp16, fp32 accumulation; within bf16's rounding of the reference, also with the new
-    # token rotated, stored and attended in the same launch. (The bf16-operand variant cannot be
+def test_decode_bf16_over_a_quantized_pool_with_fp16_dots(monkeypatch, cache_dtype, dots):
+    # A bf16 q with DECODE_QUANT_DOTS "fp16" or "pairs" (the tiles read as byte pairs, each split into
+    # two fp16 operands; its inline-PTX convert runs on the GPU only): q converted to fp16 once, K/V
+    # to fp16, p * scale rounded to fp16, fp32 accumulation; within bf16's rounding of the reference,
+    # also with the new token rotated, stored and attended in the same launch. (The bf16-operand variant cannot be
     # checked here: Triton's interpreter gets bf16 dots wrong, a bf16 pool's decode included.)
     from kernels import rotary_embedding_ref
 
-    monkeypatch.setattr(paged_attention, "DECODE_QUANT_FP16_DOTS", True)
+    monkeypatch.setattr(paged_attention, "DECODE_QUANT_DOTS", dots)
     context_lens = [50, 0, 17, 3]
     k_cache, v_cache, kv_scales = quantized_pool(16, 16, 2, 32, cache_dtype)
     tables, ctx, positions, slots = _decode_step(context_lens, 16, 16)
@@ -337,6 +339,25 @@ def test_decode_bf16_over_a_quantized_pool_with_fp16_dots(monkeypatch, cache_dty
     q_rot, _ = rotary_embedding_ref(positions, q, k, cos, sin)
     torch.testing.assert_close(got, paged_decode_attention(q_rot, k_cache, v_cache, tables, ctx, 32**-0.5,
                                                            kv_scales=kv_scales), atol=BF16_ATOL, rtol=BF16_RTOL)
+
+
+def test_decode_bf16_over_an_int8_pool_with_8bit_dots(monkeypatch):
+    # DECODE_QUANT_DOTS "8bit" (behind the flag): q quantized to int8 with a scale per head, QK^T an
+    # int8 dot; the reference attends with that q dequantized. (fp8's e4m3 dots are checked on the
+    # GPU only, by benchmarks/kv_cache_gpu.py --decode-operands: the interpreter's fp8 dot differs.)
+    from kernels.kv_quant import dequantize_kv, quantize_kv
+
+    monkeypatch.setattr(paged_attention, "DECODE_QUANT_DOTS", "8bit")
+    context_lens = [50, 0, 17, 3]
+    k_cache, v_cache, kv_scales = quantized_pool(16, 16, 2, 32, torch.int8)
+    tables, ctx, _, _ = _decode_step(context_lens, 16, 16)
+    q = torch.randn(len(context_lens), 4, 32).bfloat16()
+    q_seen = dequantize_kv(*quantize_kv(q.float(), torch.int8), torch.float32)
+    want = paged_decode_attention_ref(q_seen, k_cache, v_cache, tables, ctx, 32**-0.5, kv_scales=kv_scales)
+    for num_splits in (1, 4):
+        got = paged_decode_attention(q, k_cache, v_cache, tables, ctx, 32**-0.5, num_splits=num_splits,
+                                     kv_scales=kv_scales)
+        torch.testing.assert_close(got.float(), want, atol=1e-2, rtol=2e-2)
 
 
 @QUANT_TILES
