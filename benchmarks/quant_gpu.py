@@ -114,13 +114,15 @@ def graph_us(calls: list) -> float:
 
 
 # --swap-sweep: the swapped kernel's tiles (BLOCK_N, BLOCK_M, warps, stages) per row bucket, each
-# with K splits (rows <= 16) and the PERM / XSUM_DOT switches (int4 (True, True), (True, False),
+# with K splits (rows <= WORKSPACE_ROWS) and the PERM / XSUM_DOT switches (int4 (True, True), (True, False),
 # (False, False); int8 (True, False), (False, False))
 SWAP_SWEEP_TILES = [(64, 16, 4, 3), (64, 16, 4, 4), (128, 16, 8, 3), (64, 32, 4, 3), (128, 32, 8, 3), (64, 64, 4, 3),
                     (128, 64, 8, 3), (64, 128, 4, 3), (128, 128, 8, 3), (128, 128, 8, 4), (128, 256, 8, 3)]
 
 
 def swap_sweep_configs(rows: int, bits: int) -> list[dict]:
+    from kernels.wq_matmul import WORKSPACE_ROWS
+
     bucket = max(16, 1 << (rows - 1).bit_length())
     switches = [(True, True), (True, False), (False, False)] if bits == 4 else [(True, False), (False, False)]
     out = []
@@ -128,7 +130,7 @@ def swap_sweep_configs(rows: int, bits: int) -> list[dict]:
         if bm > bucket or bm < min(bucket, 256) // 4:
             continue
         for perm, xsum in switches:
-            for split in ((1, 2, 4, 8) if rows <= 16 else (1,)):
+            for split in ((1, 2, 4, 8) if rows <= WORKSPACE_ROWS else (1,)):
                 out.append(dict(BLOCK_N=bn, BLOCK_M=bm, SPLIT_K=split, PERM=perm, XSUM_DOT=xsum, num_warps=warps,
                                 num_stages=stages))
     return out

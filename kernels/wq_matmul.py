@@ -1,7 +1,7 @@
 """``x @ W.T (+ bias)`` with W stored packed (kernels/wquant.py): W8A16 and W4A16.
 
 Paths by rows of x (decode_path; the crossovers were measured on an H200):
-- 1 row (GEMV_ROWS): a GEMV on the CUDA cores, no dot. The packed weight is read as int32 words
+- 1 row (GEMV_ROWS; int4: 2): a GEMV on the CUDA cores, no dot. The packed weight is read as int32 words
   (8 nibbles or 4 bytes each), 4 words of 8 rows a thread; a weight becomes a float without any
   conversion: an integer n < 2^24 read as a float32 is n 2^-149 exactly, so a nibble or byte
   ANDed out in place at bit p is the float q 2^(p - 149) (one AND a weight; int8's sign flipped
@@ -15,7 +15,7 @@ Paths by rows of x (decode_path; the crossovers were measured on an H200):
   tile right behind the load, and took 245 registers (now 168) for int4's 8 rows. Few output
   blocks split K (SPLITS): the splits add into an fp32 workspace and the last one writes the
   output and zeroes it again, so no extra launch, and nothing allocated per call (CUDA graphs).
-- 2 to SWAP_MAX_ROWS rows: the swapped kernel, out^T = W x^T. The weight tile is the dot's first
+- up to SWAP_MAX_ROWS rows: the swapped kernel, out^T = W x^T. The weight tile is the dot's first
   operand, which Hopper's wgmma takes from registers (its second only from shared memory), so the
   unpacked tile goes straight from registers into the tensor cores; each K tile is one group (or
   lies in one), so the dot runs on the integers and the scale is applied to its [BLOCK_N, BLOCK_M]
@@ -396,20 +396,30 @@ def _wq_swapped_kernel(
     s_ptrs = s_ptr + rows * stride_sn
     b_ptrs = b_ptr + rows * stride_sn
     acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
+    # each tile's scale (and int4 bias) loaded a tile ahead: loaded in the tile, their latency
+    # was exposed behind the dot
+    TPG: tl.constexpr = GROUP // BLOCK_K  # tiles a group
+    g_last = (tl.maximum(t1, t0 + 1) - 1) // TPG
+    s = tl.load(s_ptrs + tl.minimum(t0 // TPG, g_last))
+    bb = tl.load(b_ptrs + tl.minimum(t0 // TPG, g_last)) if BITS == 4 else s
     for t in range(t0, t1):
+        g_next = tl.minimum((t + 1) // TPG, g_last)
+        s_next = tl.load(s_ptrs + g_next)
+        bb_next = tl.load(b_ptrs + g_next) if BITS == 4 else s_next
         xt = tl.load(xt_ptrs + t * BLOCK_K)
         w = _swapped_weights(tl.load(q_ptrs + t * BLOCK_KQ), xt.dtype, BITS, BLOCK_N, BLOCK_K, MAGIC, PERM)
         part = tl.dot(w, xt, input_precision=DOT_PRECISION)
-        g = t * BLOCK_K // GROUP
-        s = tl.load(s_ptrs + g).to(tl.float32)
-        acc += part * s[:, None]
+        sf = s.to(tl.float32)
+        acc += part * sf[:, None]
         if BITS == 4:  # + (b - OFFSET s) sum(x): the bias, less the magic's constant
-            bb = tl.load(b_ptrs + g).to(tl.float32) - OFFSET * s
+            bf = bb.to(tl.float32) - OFFSET * sf
             if XSUM_DOT:  # sum(x) on the tensor cores, already in acc's layout
-                acc += bb[:, None] * tl.dot(tl.full([BLOCK_N, BLOCK_K], 1.0, tl.float32).to(xt.dtype), xt,
+                acc += bf[:, None] * tl.dot(tl.full([BLOCK_N, BLOCK_K], 1.0, tl.float32).to(xt.dtype), xt,
                                             input_precision=DOT_PRECISION)
             else:
-                acc += bb[:, None] * tl.sum(xt.to(tl.float32), axis=0)[None, :]
+                acc += bf[:, None] * tl.sum(xt.to(tl.float32), axis=0)[None, :]
+        s = s_next
+        bb = bb_next
     n_mask = offs_n < N
     mask = n_mask[:, None] & (offs_m < M)[None, :]
     ws_ptrs = ws_ptr + offs_m[None, :] * N + offs_n[:, None]
@@ -549,12 +559,12 @@ _gemv_tuned = (triton.autotune(configs=_gemv_configs(), key=["N", "K", "BITS", "
 # _swapped_columns; XSUM_DOT: int4's sum(x) as a second dot), each with the K splits below where
 # the rows fit the workspace; BLOCK_K is the group, or 128 where the group is larger. BLOCK_M 16
 # is the least a dot takes (2-16 rows pad to it). benchmarks/quant_gpu.py --swap-sweep times more.
-SWAP_TILES = [(64, 16, 4, 3, True, True), (128, 16, 8, 3, True, True), (64, 32, 4, 3, True, True),
-              (64, 64, 4, 3, True, True), (128, 64, 8, 3, True, True), (128, 128, 8, 3, True, True),
-              (128, 128, 8, 3, False, False), (128, 256, 8, 3, False, False)]
-SWAP_SPLITS = (1, 2, 4)
+SWAP_TILES = [(64, 16, 4, 3, True, False), (64, 16, 4, 3, False, False), (128, 16, 8, 3, True, False),
+              (64, 32, 4, 3, True, False), (64, 32, 4, 3, False, False), (128, 64, 8, 3, True, True),
+              (64, 64, 4, 3, False, False), (64, 128, 4, 3, False, False), (128, 128, 8, 4, False, False)]
+SWAP_SPLITS = (1, 2, 4, 8)
 SWAP_MAX_BLOCK_K = 128
-WORKSPACE_ROWS = 16  # the split kernels' rows at most (GEMV_MAX_ROWS, and the swapped kernel's splits)
+WORKSPACE_ROWS = 64  # the split kernels' rows at most (GEMV_MAX_ROWS, and the swapped kernel's splits)
 
 
 def swap_rows_key(m: int) -> int:
@@ -613,18 +623,21 @@ _workspaces: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
 _retired: list[torch.Tensor] = []  # replaced workspaces: a captured graph may still point at one
 
 
-def _workspace(device: torch.device, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The split kernels' fp32 sums [WORKSPACE_ROWS, n] and block counters, zero between calls; grown
-    (never shrunk or freed) at warm-up, before any CUDA graph is captured."""
+def _workspace(device: torch.device, n: int, counters: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """The split kernels' fp32 sums [WORKSPACE_ROWS, n] and at least ``counters`` block counters
+    (a 16-wide block of n each by default), zero between calls; grown (never shrunk or freed) at
+    warm-up, before any CUDA graph is captured."""
+    counters = max(counters, -(-n // 16))
     ws, cnt = _workspaces.get(device, (None, None))
-    if ws is None or ws.numel() < WORKSPACE_ROWS * n or cnt.numel() < -(-n // 16):
+    if ws is None or ws.numel() < WORKSPACE_ROWS * n or cnt.numel() < counters:
         assert device.type != "cuda" or not torch.cuda.is_current_stream_capturing(), \
-            "wq_matmul: a GEMV shape first met inside CUDA-graph capture (warm up first)"
+            "wq_matmul: a split shape first met inside CUDA-graph capture (warm up first)"
         if ws is not None:
             _retired.extend((ws, cnt))
         size = max(n, 0 if ws is None else ws.numel() // WORKSPACE_ROWS)
         ws = torch.zeros(WORKSPACE_ROWS * size, dtype=torch.float32, device=device)
-        cnt = torch.zeros(-(-size // 16), dtype=torch.int32, device=device)
+        cnt = torch.zeros(max(counters, -(-size // 16), 0 if cnt is None else cnt.numel()), dtype=torch.int32,
+                          device=device)
         _workspaces[device] = (ws, cnt)
     return ws, cnt
 
@@ -639,9 +652,12 @@ def _gemv_words(weight: QuantizedWeight, k: int) -> torch.Tensor | None:
     return q.view(torch.int32)
 
 
-# Where each path is chosen, by rows of x (benchmarks/quant_gpu.py --parts decode, H200, bf16):
-GEMV_ROWS = 1  # the GEMV up to this many rows
-SWAP_MAX_ROWS = 512  # the swapped kernel up to this many; above, dequantize + cuBLAS
+# Where each path is chosen, by rows of x and bits (benchmarks/quant_gpu.py --parts decode, H200,
+# bf16, µs a layer of Llama-3.1-8B's projections; docs/BENCHMARKS.md): the GEMV won at 1 row, and
+# for int4 at 2 (83.8 against the swapped kernel's 111.0); the swapped kernel lost to dequantize +
+# cuBLAS from 256 rows for int8 (430 against 359) and from 128 for int4 (406 against 310).
+GEMV_ROWS = {8: 1, 4: 2}
+SWAP_MAX_ROWS = {8: 128, 4: 64}
 
 
 def decode_path(weight: QuantizedWeight, rows: int, dtype: torch.dtype) -> str:
@@ -649,9 +665,9 @@ def decode_path(weight: QuantizedWeight, rows: int, dtype: torch.dtype) -> str:
     kernel, up to DECODE_MAX_ROWS) or "dense" (dequantize + cuBLAS); module docstring."""
     k = weight.shape[1]
     # float32 activations stay on the tensor cores (the GEMV takes them exactly, but was not timed so)
-    if rows <= GEMV_ROWS and dtype != torch.float32 and _gemv_words(weight, k) is not None:
+    if rows <= GEMV_ROWS[weight.bits] and dtype != torch.float32 and _gemv_words(weight, k) is not None:
         return "gemv"
-    if rows <= SWAP_MAX_ROWS and _swap_block_k(weight.group_size, k) is not None:
+    if rows <= SWAP_MAX_ROWS[weight.bits] and _swap_block_k(weight.group_size, k) is not None:
         return "swapped"
     return "dequant" if rows <= DECODE_MAX_ROWS else "dense"
 
@@ -730,7 +746,7 @@ def _swapped(x: torch.Tensor, weight: QuantizedWeight, out: torch.Tensor, bias_a
     magic, offset = SWAP_MAGIC.get(x.dtype, (0, 0.0))
     perm_ok = _swap_perm_ok(q, magic, block_k, weight.bits)
     opts.update(BLOCK_K=block_k, MAGIC=magic, OFFSET=offset)
-    ws, cnt = _workspace(x.device, n)
+    ws, cnt = _workspace(x.device, n, -(-n // 16) * -(-min(m, WORKSPACE_ROWS) // 16))  # a counter a tile
     args = (x, q, weight.scales, biases, bias_arg, out, ws, cnt, m, n, k, x.stride(0), q.stride(0),
             weight.scales.stride(0), out.stride(0), swap_rows_key(m))
     if config is None and interpreting():

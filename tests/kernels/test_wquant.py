@@ -184,11 +184,13 @@ def test_swapped_kernel_takes_int4_rows_of_no_whole_words_in_byte_order():
 def test_each_path_is_chosen_by_rows_and_format():
     from kernels.wq_matmul import GEMV_ROWS, SWAP_MAX_ROWS, decode_path
 
-    qw = quantize(torch.randn(64, 256), 4, 128)
-    assert decode_path(qw, GEMV_ROWS, torch.bfloat16) == "gemv"
-    assert decode_path(qw, GEMV_ROWS + 1, torch.bfloat16) == "swapped"
-    assert decode_path(qw, SWAP_MAX_ROWS, torch.bfloat16) == "swapped"
-    assert decode_path(qw, SWAP_MAX_ROWS + 1, torch.bfloat16) == "dense"
+    for bits in (4, 8):
+        qw = quantize(torch.randn(64, 256), bits, 128)
+        assert decode_path(qw, GEMV_ROWS[bits], torch.bfloat16) == "gemv"
+        assert decode_path(qw, GEMV_ROWS[bits] + 1, torch.bfloat16) == "swapped"
+        assert decode_path(qw, GEMV_ROWS[bits] + 1, torch.float32) == "swapped"
+        assert decode_path(qw, SWAP_MAX_ROWS[bits], torch.bfloat16) == "swapped"
+        assert decode_path(qw, SWAP_MAX_ROWS[bits] + 1, torch.bfloat16) == "dense"
     per_channel = quantize(torch.randn(64, 96), 8, 96)  # a group of no power of two: not the swapped kernel
     assert decode_path(per_channel, 8, torch.bfloat16) == "dequant"
     assert decode_path(per_channel, 17, torch.bfloat16) == "dense"
