@@ -747,7 +747,7 @@ def _swapped(x: torch.Tensor, weight: QuantizedWeight, out: torch.Tensor, bias_a
     magic, offset = SWAP_MAGIC.get(x.dtype, (0, 0.0))
     perm_ok = _swap_perm_ok(q, magic, block_k, weight.bits)
     opts.update(BLOCK_K=block_k, MAGIC=magic, OFFSET=offset)
-    ws, cnt = _workspace(x.device, n, -(-n // 16) * -(-min(m, WORKSPACE_ROWS) // 16))  # a counter a tile
+    ws, cnt = _workspace(x.device, n, -(-n // 16) * (WORKSPACE_ROWS // 16))  # a counter a tile, any rows
     args = (x, q, weight.scales, biases, bias_arg, out, ws, cnt, m, n, k, x.stride(0), q.stride(0),
             weight.scales.stride(0), out.stride(0), swap_rows_key(m))
     if config is None and interpreting():
