@@ -3,7 +3,7 @@ with dummy:llama-3.1-8b quantized at load (bf16 vs int8 vs int4 in the same run)
 
     python benchmarks/quant_gpu.py --out quant.json [--configs none int8 int4] [--parts kernels engine]
         [--batches 1 8 16 64] [--sweep-prefill] [--decode-rows 1 2 4 8 16] [--sweep-gemv] [--gemv-tl-load]
-        [--swap-sweep 16 64 512] [--shapes qkv_proj ...]
+        [--swap-sweep 16 64 512] [--shapes qkv_proj ...] [--swap-max-rows 8:128]
 
 kernels  each Llama-3.1-8B projection (and the LM head in int8) at 1, 8, 16, 64 and 512 rows:
          median time (triton.testing.do_bench) of bf16 (the engine's path: skinny matmul at 1 row,
@@ -161,8 +161,6 @@ def bench_decode(ceilings: dict, rows_list: list[int], sweep: bool, swap_sweep: 
                                                  None if q.biases is None else q.biases.clone(), bits, 128)
                                            for _ in range(cp - 1)]
         for rows in rows_list:
-            if name == "lm_head" and rows > 16:  # the LM head sees a row a sequence, decode only
-                continue
             x = torch.randn(rows, k, device=dev, dtype=torch.bfloat16)
             for fmt, ws in formats.items():
                 nbytes = ws[0].numel() * 2 if fmt == "bf16" else ws[0].nbytes()
@@ -310,6 +308,8 @@ def main() -> None:
     ap.add_argument("--swap-sweep", type=int, nargs="*", default=[], metavar="ROWS",
                     help="decode part: the swapped kernel's tiles and switches at these rows")
     ap.add_argument("--shapes", nargs="+", choices=list(SHAPES), help="decode part: these projections only")
+    ap.add_argument("--swap-max-rows", nargs="+", default=[], metavar="BITS:ROWS",
+                    help="override kernels/wq_matmul.py's SWAP_MAX_ROWS (A/B of the crossover), e.g. 8:128")
     ap.add_argument("--gemv-tl-load", action="store_true",
                     help="decode part: the GEMV's scales and x by tl.load, not inline asm (A/B of GEMV_ASM)")
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 16, 64])
@@ -318,6 +318,11 @@ def main() -> None:
     ap.add_argument("--one", help=argparse.SUPPRESS)  # a child: run this config's engine part
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
+    import kernels.wq_matmul
+
+    for item in args.swap_max_rows:
+        bits, rows = map(int, item.split(":"))
+        kernels.wq_matmul.SWAP_MAX_ROWS[bits] = rows
     if args.one:
         Path(args.out).write_text(json.dumps(run_engine(args.one, args)))
         return
@@ -344,6 +349,8 @@ def main() -> None:
         for q in args.configs:
             with tempfile.NamedTemporaryFile(suffix=".json") as f:
                 cmd = [sys.executable, __file__, "--one", q, "--out", f.name, "--batches", *map(str, args.batches)]
+                if args.swap_max_rows:
+                    cmd += ["--swap-max-rows", *args.swap_max_rows]
                 if subprocess.run(cmd).returncode == 0:
                     res["engine"][q] = json.loads(Path(f.name).read_text())
                 if args.out:  # what is done so far, in case a later config fails or times out
