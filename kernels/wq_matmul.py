@@ -655,10 +655,12 @@ def _gemv_words(weight: QuantizedWeight, k: int) -> torch.Tensor | None:
 # Where each path is chosen, by rows of x and bits (benchmarks/quant_gpu.py --parts decode, H200,
 # bf16, µs a layer of Llama-3.1-8B's projections; docs/BENCHMARKS.md): the GEMV won at 1 row, and
 # for int4 at 2 (85.4 against the swapped kernel's 94.3; int8 at 2: 98.9 against 92.4); the
-# swapped kernel won up to 256 rows for int8 (345.5 against dequantize + cuBLAS's 363.5; 684
-# against 464 at 512) and up to 64 for int4 (194.5 against 301.1; 392.2 against 311.4 at 128).
+# swapped kernel won against dequantize + cuBLAS up to 64 rows for int4 (194.5 against 301.1;
+# 392.2 against 311.4 at 128) and up to 128 for int8 (225.5 against 324.4; the LM head 355 against
+# 771). int8 at 256 rows measured a near tie alone (345.5 against 363.5) but cost workload (b)
+# 11% in the engine (6,533 output tok/s against 7,358 with 128 here), so 128.
 GEMV_ROWS = {8: 1, 4: 2}
-SWAP_MAX_ROWS = {8: 256, 4: 64}
+SWAP_MAX_ROWS = {8: 128, 4: 64}
 
 
 def decode_path(weight: QuantizedWeight, rows: int, dtype: torch.dtype) -> str:
