@@ -399,7 +399,7 @@ def _wq_swapped_kernel(
     # each tile's scale (and int4 bias) loaded a tile ahead: loaded in the tile, their latency
     # was exposed behind the dot
     TPG: tl.constexpr = GROUP // BLOCK_K  # tiles a group
-    g_last = (tl.maximum(t1, t0 + 1) - 1) // TPG
+    g_last = (tl.minimum(tl.maximum(t1, t0 + 1), tiles) - 1) // TPG  # an empty split reads the last group
     s = tl.load(s_ptrs + tl.minimum(t0 // TPG, g_last))
     bb = tl.load(b_ptrs + tl.minimum(t0 // TPG, g_last)) if BITS == 4 else s
     for t in range(t0, t1):

@@ -194,3 +194,10 @@ def test_each_path_is_chosen_by_rows_and_format():
     per_channel = quantize(torch.randn(64, 96), 8, 96)  # a group of no power of two: not the swapped kernel
     assert decode_path(per_channel, 8, torch.bfloat16) == "dequant"
     assert decode_path(per_channel, 17, torch.bfloat16) == "dense"
+
+
+def test_swapped_kernel_with_more_splits_than_tiles():
+    """Splits past K's last tile run no tile, read the last group's scales, and add nothing."""
+    qw, x, bias, want = _reference(4, 128, 256, 3, torch.float16)  # 2 tiles, 8 splits
+    got = wq_matmul(x, qw, bias, config=dict(BLOCK_N=16, BLOCK_M=16, SPLIT_K=8, PERM=True), path="swapped")
+    assert ((got.float() - want).norm() / want.norm()).item() < 1e-3
