@@ -182,13 +182,13 @@ def candidates(runs: dict, tier: int, idx: Sequence[int], grid: int, exact: bool
     """Settings worth trying for ``tier`` (module docstring, step 2); ``exact``: every distinct
     threshold for the one-parameter families (else ``grid`` quantiles, as for the combined one).
     With prompt-router scores (``route``), each own-measure and judge setting also with the router
-    in front at each of ``grid`` quantiles of its scores."""
+    in front at each of 2 x ``grid`` quantiles of its scores."""
     answers = [runs["tiers"][tier]["answers"][k] for k in idx]
     out = _unrouted(answers, grid, exact)
     routes = [a["route"] for a in answers if a.get("route") is not None]
     if routes:
         plain = [s for s in out if s.floor is None]  # own or judge alone: the combined ones are many
-        for r in _quantiles(routes, grid)[1:]:  # the lowest skips nothing: that is the plain setting
+        for r in _quantiles(routes, 2 * grid)[1:]:  # the lowest skips nothing: that is the plain setting
             out += [replace(s, route_threshold=r) for s in plain]
     return out
 
@@ -234,15 +234,16 @@ def search(runs: dict, calib: Sequence[int], target: float, grid: int) -> tuple[
 def attach_routes(runs: dict, calib: Sequence[int], held: Sequence[int], seed: int) -> list[PromptRouter]:
     """Every tier but the last gets a prompt router trained on the calibration split; each answer
     its score (``route``): cross-fitted on the calibration split (so thresholds are picked on
-    scores of prompts the router did not learn from), from the trained router on the held-out one."""
+    scores of prompts the router did not learn from), from the fold routers' average on the
+    held-out one (``cross_fit``)."""
     prompts = [t["prompt"] for t in runs["tasks"]]
     routers = []
     for tier in runs["tiers"][:-1]:
         answers = tier["answers"]
         texts, right = [prompts[k] for k in calib], [bool(answers[k]["correct"]) for k in calib]
-        for k, score in zip(calib, cross_fit(texts, right, seed=seed)):
+        scores, router = cross_fit(texts, right, seed=seed)
+        for k, score in zip(calib, scores):
             answers[k]["route"] = score
-        router = PromptRouter.train(texts, right)
         for k in held:
             answers[k]["route"] = router.score(prompts[k])
         routers.append(router)
@@ -352,8 +353,11 @@ def collect(config: CascadeConfig, tasks: list[Task], max_tokens: int, device: s
 
 def matmul_params(model) -> int:
     """Parameters a token multiplies through: all but the input embedding, a lookup (unless it is
-    also the LM head). Qwen2.5-0.5B: 494 M of 630 M stored; 1.5B: 1,544 M of 1,777 M."""
-    total = sum(p.numel() for p in model.parameters())
+    also the LM head), packed or not. Qwen2.5-0.5B: 494 M of 630 M stored; 1.5B: 1,544 M of 1,777 M."""
+    from worker.models.quantization import QuantizedLinearWeight
+
+    total = sum(p.numel() for p in model.parameters())  # packed projections hold buffers, not parameters:
+    total += sum(m.shape[0] * m.shape[1] for m in model.modules() if isinstance(m, QuantizedLinearWeight))
     embed, head = model.model.embed_tokens.weight, model.lm_head.weight
     return total if embed is head else total - embed.numel()
 
@@ -467,15 +471,22 @@ def plot(result: dict, path: Path) -> bool:
     except ImportError:
         return False
     fig, ax = plt.subplots(figsize=(9, 5))
-    # One curve per own measure and per judge measure; the combined families as one frontier.
+    # One curve per own measure and per judge measure; the combined families, and those with a
+    # prompt router in front, each as one frontier.
     curves = {k: v for k, v in result["curves"].items() if " + " not in k}
-    combined = [p for k, v in result["curves"].items() if " + " in k for p in v]
-    if combined:
-        curves["own + judge (best of every pair)"] = _frontier(combined)
+    for label, member in (("own + judge (best of every pair)", lambda k: not k.startswith("route + ")),
+                          ("prompt router + own or judge (best)", lambda k: k.startswith("route + "))):
+        combined = [p for k, v in result["curves"].items() if " + " in k and member(k) for p in v]
+        if combined:
+            curves[label] = _frontier(combined)
     for name, points in sorted(curves.items()):
         ax.plot([p["compute"] for p in points], [p["accuracy"] for p in points], marker=".", label=name)
     o = result["oracle"]
     ax.scatter([o["compute"]], [o["accuracy"]], marker="D", color="g", label="oracle router", zorder=3)
+    if "oracle_before" in result:
+        o = result["oracle_before"]
+        ax.scatter([o["compute"]], [o["accuracy"]], marker="D", facecolors="none", edgecolors="g",
+                   label="oracle deciding before any tier runs", zorder=3)
     for t in result["tiers"]:
         ax.scatter([t["compute_alone"]], [t["accuracy"]["held_out"]], marker="s", color="k")
         ax.annotate(f"{t['name']} alone", (t["compute_alone"], t["accuracy"]["held_out"]), fontsize=8)

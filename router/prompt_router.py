@@ -119,22 +119,26 @@ class PromptRouter:
         return cls.from_json(data, str(path))
 
 
-def cross_fit(texts: Sequence[str], right: Sequence[bool], folds: int = 5, seed: int = 0) -> list[float]:
-    """Each text's score from a router trained on the other folds: what a threshold may be picked
-    on without the router having seen the answer it is scored on."""
+def cross_fit(texts: Sequence[str], right: Sequence[bool], folds: int = 5,
+              seed: int = 0) -> tuple[list[float], PromptRouter]:
+    """Each text's score from a router trained on the other folds (what a threshold may be picked
+    on without the router having seen the answer it is scored on), and the router to use on new
+    prompts: the fold routers' average (their mean logit), so new prompts score on the same scale
+    as the picked threshold: one router trained on every text would score more boldly."""
     order = np.random.default_rng(seed).permutation(len(texts))
-    scores = [0.0] * len(texts)
+    scores = [float(np.mean(right))] * len(texts)
+    trained = []
     for f in range(folds):
         test = order[f::folds]
         train = np.setdiff1d(order, test)
-        if not len(test):
-            continue
-        if not len(train):
-            rate = float(np.mean(right))
-            for i in test:
-                scores[i] = rate
+        if not len(test) or not len(train):
             continue
         router = PromptRouter.train([texts[i] for i in train], [right[i] for i in train])
+        trained.append(router)
         for i in test:
             scores[i] = router.score(texts[i])
-    return scores
+    if not trained:
+        return scores, PromptRouter.train(texts, right)
+    mean = PromptRouter(np.mean([r.weights for r in trained], axis=0), float(np.mean([r.bias for r in trained])),
+                        trained_on=len(texts))
+    return scores, mean

@@ -151,3 +151,24 @@ def test_bad_flags_are_refused_with_the_reason(tmp_path: Path, flags, message) -
                            str(ROOT / "deploy/cascade.example.yaml"), "--out", str(tmp_path), *flags],
                           cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert done.returncode == 2 and message in done.stderr, done.stderr
+
+
+@pytest.mark.parametrize("model", ["smollm2-135m", "qwen2.5-coder-0.5b"])  # tied and untied embeddings
+def test_compute_counts_packed_weights_as_parameters(model: str) -> None:
+    """A packed projection holds buffers, not parameters: a quantized model multiplies through as
+    many weights as its dense self (a run that missed it priced the cascade at 1,749x)."""
+    from kvcascade.calibrate import matmul_params
+    from worker.engine.config import EngineConfig
+    from worker.engine.llm_engine import LLMEngine
+    from contracts.models import BUILTIN_MODELS
+
+    chunks = BUILTIN_MODELS[model].chunks
+    if chunks is not None and not chunks.installed():
+        pytest.skip(f"{model} is not installed (scripts/install_qwen.sh)")
+    counts = []
+    for quantization in ("none", "auto"):
+        engine = LLMEngine(EngineConfig(model=model, quantization=quantization, max_model_len=64,
+                                        kv_cache_bytes=16 * 2**20))
+        counts.append(matmul_params(engine.model))
+        engine.close()
+    assert counts[0] == counts[1] > 100_000_000, counts

@@ -82,8 +82,14 @@ def test_a_bad_file_is_refused_naming_key_and_line(text: str, line: int, key: st
 def test_the_shipped_example_is_valid() -> None:
     from router.cascade_config import load_cascade
 
-    config = load_cascade(Path(__file__).resolve().parents[2] / "deploy" / "cascade.example.yaml")
-    assert [t.model for t in config.tiers] == ["qwen2.5-coder-0.5b", "qwen2.5-coder-1.5b"]
+    for name in ("cascade.example.yaml", "cascade.routed.yaml"):
+        config = load_cascade(Path(__file__).resolve().parents[2] / "deploy" / name)
+        assert [t.model for t in config.tiers] == ["qwen2.5-coder-0.5b", "qwen2.5-coder-1.5b"]
+    # The routed one's prompt router (trained on the calibration half of deploy/cascade_tasks.jsonl)
+    # sends what the 0.5B never gets right straight to the 1.5B, and keeps the 0.5B where it does.
+    route = config.tiers[0].route
+    assert route is not None and route.skips("How many minutes are in 37 hours? Reply with the number only.")
+    assert not route.skips("What is the opposite of 'north'? Reply with one word only.")
 
 
 def test_the_cli_refuses_a_bad_file_before_loading_anything(tmp_path, capsys) -> None:
