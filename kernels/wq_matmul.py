@@ -443,49 +443,171 @@ def _wq_swapped_kernel(
                  mask=mask)
 
 
+# The dequantize pass's unpacking: a field ANDed out at bit p of a word and ORed into the
+# exponent of 2^(23 - p) is the float 2^(23 - p) + q exactly (unit 1), and the constant comes out
+# in the one FMA with the scale: w = v s + (b - 2^(23 - p) s). Fields lie in bits 8-22: from bit
+# 8 the constant is at most 2^15, its fp32 rounding at most 2^-9 s (bf16's rounding of w is ~2^-6
+# s); bit 23 is the exponent's lowest. int4's nibbles 0-1 are shifted to bits 8-15 (w << 8), 5-7
+# to bits 8-19 (w >> 12), 2-4 stay in place; int8's bytes go to bits 8-15, the sign bit flipped in
+# the same LOP3 (q + 128). The exponent is made opaque to the compiler (0x47000000 + min(N, 0)):
+# as an immediate, ptxas spent an AND and an OR a field (a LOP3 takes one immediate); in a
+# register, one LOP3. sm_90 SASS, a 32 x 256 tile: 5.9 (int4) / 5.8 (int8) instructions a weight,
+# no conversion (the shifts-and-I2F kernel before: 7.8 / 6.2, plus an I2F a weight at a quarter
+# of the issue rate); about half of it the tile's addresses and its store's layout conversion.
+
+
+@jit
+def _field(v, mask: tl.constexpr, bits):
+    """(v & mask) ^ bits read as float32 (bits: the exponent, and int8's flipped sign bit)."""
+    return ((v & mask) ^ bits).to(tl.float32, bitcast=True)
+
+
 @jit
 def _dequantize_kernel(q_ptr, s_ptr, b_ptr, out_ptr, N, K, stride_qn, stride_sn, stride_on,
                        BITS: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                        USE_PDL: tl.constexpr):
-    """One [BLOCK_N, BLOCK_K] tile of W = q * s (+ b), written in out's dtype."""
+    """One [BLOCK_N, BLOCK_K] tile of W = q s (+ b) in out's dtype, q read as int32 words (rows 4-byte
+    aligned) and unpacked by the exponent trick above. BLOCK_K divides K (unused here), and the
+    group or is a multiple of it."""
     wait_for_producer(USE_PDL)
-    PACK: tl.constexpr = 2 if BITS == 4 else 1
-    NG: tl.constexpr = BLOCK_K // GROUP
+    PER: tl.constexpr = 8 if BITS == 4 else 4  # weights a word
+    NG: tl.constexpr = BLOCK_K // GROUP if BLOCK_K > GROUP else 1  # groups a tile
+    WPG: tl.constexpr = BLOCK_K // NG // PER  # words a group's share of the tile
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows = tl.minimum(offs_n, N - 1).to(tl.int64)  # rows past N read row N - 1 (never stored)
     k0 = tl.program_id(1) * BLOCK_K
-    offs_kq = k0 // PACK + tl.arange(0, BLOCK_K // PACK)
-    n_mask = offs_n < N
-    q = tl.load(q_ptr + offs_n[:, None].to(tl.int64) * stride_qn + offs_kq[None, :],
-                mask=n_mask[:, None] & (offs_kq < K // PACK)[None, :], other=0)
-    if BITS == 4:
-        q = tl.interleave(q & 0x0F, q >> 4)
     offs_g = k0 // GROUP + tl.arange(0, NG)
-    sg = offs_n[:, None].to(tl.int64) * stride_sn + offs_g[None, :]
-    sg_mask = n_mask[:, None] & (offs_g < K // GROUP)[None, :]
-    w = tl.reshape(q.to(tl.float32), [BLOCK_N, NG, GROUP]) * tl.load(s_ptr + sg, mask=sg_mask, other=0.0).to(
-        tl.float32)[:, :, None]
+    offs_w = tl.arange(0, NG)[:, None] * WPG + tl.arange(0, WPG)[None, :]  # [NG, WPG]
+    q_words = q_ptr.to(tl.pointer_type(tl.int32)) + rows[:, None, None] * (stride_qn // 4)
+    w = tl.load(q_words + k0 // PER + offs_w[None, :, :]).to(tl.uint32, bitcast=True)
+    sg = rows[:, None] * stride_sn + offs_g[None, :]
+    s = tl.load(s_ptr + sg).to(tl.float32)[:, :, None]  # [BLOCK_N, NG, 1]
+    e15 = (0x47000000 + tl.minimum(N, 0)).to(tl.uint32, bitcast=True)  # 2^15 in a register; 2^11, 2^7 below
     if BITS == 4:
-        w += tl.load(b_ptr + sg, mask=sg_mask, other=0.0).to(tl.float32)[:, :, None]
+        e11, e7 = e15 - 0x02000000, e15 - 0x04000000
+        b = tl.load(b_ptr + sg).to(tl.float32)[:, :, None]
+        c15, c11, c7 = b - 32768.0 * s, b - 2048.0 * s, b - 128.0 * s
+        lo = w << 8  # nibbles 0, 1 at bits 8-15
+        hi = w >> 12  # nibbles 5, 6, 7 at bits 8-19
+        v0 = _field(lo, 0xF00, e15) * s + c15
+        v1 = _field(lo, 0xF000, e11) * s + c11
+        v2 = _field(w, 0xF00, e15) * s + c15
+        v3 = _field(w, 0xF000, e11) * s + c11
+        v4 = _field(w, 0xF0000, e7) * s + c7
+        v5 = _field(hi, 0xF00, e15) * s + c15
+        v6 = _field(hi, 0xF000, e11) * s + c11
+        v7 = _field(hi, 0xF0000, e7) * s + c7
+        # tl.join's new dimension is the last: [BLOCK_N, NG, WPG, i, j, l] holds nibble 4i + 2j + l
+        t = tl.join(tl.join(tl.join(v0, v4), tl.join(v2, v6)), tl.join(tl.join(v1, v5), tl.join(v3, v7)))
+    else:
+        e = e15 | 0x8000  # the sign bit flipped: q + 128
+        c = -32896.0 * s  # 2^15 + 128
+        v0 = _field(w << 8, 0xFF00, e) * s + c
+        v1 = _field(w, 0xFF00, e) * s + c
+        v2 = _field(w >> 8, 0xFF00, e) * s + c
+        v3 = _field(w >> 16, 0xFF00, e) * s + c
+        t = tl.join(tl.join(v0, v2), tl.join(v1, v3))  # [BLOCK_N, NG, WPG, i, j]: byte 2i + j
     offs_k = k0 + tl.arange(0, BLOCK_K)
     tl.store(out_ptr + offs_n[:, None].to(tl.int64) * stride_on + offs_k[None, :],
-             tl.reshape(w, [BLOCK_N, BLOCK_K]).to(out_ptr.dtype.element_ty),
-             mask=n_mask[:, None] & (offs_k < K)[None, :])
+             tl.reshape(t, [BLOCK_N, BLOCK_K]).to(out_ptr.dtype.element_ty), mask=(offs_n < N)[:, None])
 
 
-def dequantize(weight: QuantizedWeight, dtype: torch.dtype) -> torch.Tensor:
-    """``weight.dequantize(dtype)`` in one pass on the device: [N, K] in ``dtype``."""
+def _dequantize_block_k(group: int, k: int) -> int:
+    """The dequantize pass's K tile: up to 256 columns, whole groups or within one, dividing K."""
+    block_k = 256
+    while k % block_k or (block_k > group and block_k % group):
+        block_k //= 2
+    return block_k
+
+
+def dequantize(weight: QuantizedWeight, dtype: torch.dtype, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``weight.dequantize(dtype)`` in one pass on the device: [N, K] in ``dtype`` (into ``out``, a
+    row-contiguous [N, K] tensor of that dtype, if given)."""
     check_launchable(weight.qweight)
     n, k = weight.shape
     g = weight.group_size
-    if g & (g - 1):  # a group of a whole row that is no power of two (per channel)
-        return weight.dequantize(dtype)
-    out = torch.empty(n, k, dtype=dtype, device=weight.device)
-    block_n, block_k = 32, max(g, 128)  # whole groups in a tile
-    _dequantize_kernel[(triton.cdiv(n, block_n), triton.cdiv(k, block_k))](
-        weight.qweight, weight.scales, weight.scales if weight.biases is None else weight.biases, out, n, k,
-        weight.qweight.stride(0), weight.scales.stride(0), out.stride(0), BITS=weight.bits, GROUP=g,
+    q = weight.qweight
+    words = not (q.stride(0) % 4 or q.storage_offset() % 4 or q.data_ptr() % 4 or k % (8 if weight.bits == 4 else 4))
+    if g & (g - 1) or not words:  # a group of a whole row that is no power of two (per channel); odd views
+        w = weight.dequantize(dtype)
+        return w if out is None else out.copy_(w)
+    if out is None:
+        out = torch.empty(n, k, dtype=dtype, device=weight.device)
+    assert out.shape == (n, k) and out.dtype == dtype and out.stride(1) == 1
+    block_n, block_k = 32, _dequantize_block_k(g, k)
+    _dequantize_kernel[(triton.cdiv(n, block_n), k // block_k)](
+        q, weight.scales, weight.scales if weight.biases is None else weight.biases, out, n, k,
+        q.stride(0), weight.scales.stride(0), out.stride(0), BITS=weight.bits, GROUP=g,
         BLOCK_N=block_n, BLOCK_K=block_k, **pdl_launch(weight.device))
     return out
+
+
+# "slabs": the dense path's transient bf16 weight dequantized SLAB_BYTES at a time (whole rows of
+# W, SLAB_ROWS_ALIGN apart) into one scratch buffer, each slab multiplied by cuBLAS right after it is
+# written, into its columns of the output: the bf16 bytes are written to and read back from the L2
+# (50 MB on an H200) instead of DRAM, which then carries the packed weight alone.
+SLAB_BYTES = 8 << 20
+SLAB_ROWS_ALIGN = 128
+_slab_buffers: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
+
+
+def _slab_buffer(device: torch.device, dtype: torch.dtype, numel: int) -> torch.Tensor:
+    """The scratch of at least ``numel`` elements, grown (never shrunk or freed) at warm-up, before
+    any CUDA graph is captured; one per device and dtype, reused by every call in stream order."""
+    buf = _slab_buffers.get((device, dtype))
+    if buf is None or buf.numel() < numel:
+        assert device.type != "cuda" or not torch.cuda.is_current_stream_capturing(), \
+            "wq_matmul: a slab size first met inside CUDA-graph capture (warm up first)"
+        if buf is not None:
+            _retired.append(buf)
+        buf = torch.empty(numel, dtype=dtype, device=device)
+        _slab_buffers[(device, dtype)] = buf
+    return buf
+
+
+_slab_streams: dict[torch.device, list] = {}
+
+
+def _side_streams(device: torch.device, count: int) -> list:
+    streams = _slab_streams.setdefault(device, [])
+    while len(streams) < count:
+        assert not torch.cuda.is_current_stream_capturing(), "wq_matmul: slab streams first met inside capture"
+        streams.append(torch.cuda.Stream(device))
+    return streams[:count]
+
+
+def _slabs(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None, out: torch.Tensor,
+           slab_bytes: int, streams: int = 1) -> torch.Tensor:
+    """With ``streams`` > 1 the slabs go round that many side streams (forked from and joined back
+    to the current one, as CUDA graphs take them), each with its own slab of scratch, so several
+    slabs' small cuBLAS grids run at once."""
+    n, k = weight.shape
+    rows = min(n, max(SLAB_ROWS_ALIGN, slab_bytes // (k * x.element_size()) // SLAB_ROWS_ALIGN * SLAB_ROWS_ALIGN))
+    count = min(streams, -(-n // rows))
+    buf = _slab_buffer(x.device, x.dtype, rows * k * count)
+    side = _side_streams(x.device, count) if count > 1 else []
+    main = torch.cuda.current_stream(x.device) if side else None
+    for s in side:
+        s.wait_stream(main)
+    for i, n0 in enumerate(range(0, n, rows)):
+        r = min(rows, n - n0)
+        j = i % count
+        with torch.cuda.stream(side[j]) if side else _no_stream():
+            w = dequantize(weight.narrow(0, n0, r), x.dtype, out=buf[j * rows * k: j * rows * k + r * k].view(r, k))
+            torch.mm(x, w.t(), out=out[:, n0:n0 + r])  # cuBLAS writes the strided columns in place (ldc = n)
+    for s in side:
+        main.wait_stream(s)
+    if bias is not None:
+        out += bias
+    return out
+
+
+class _no_stream:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return False
 
 
 def _fits(group: int, k: int, block_k: int) -> bool:
@@ -678,9 +800,10 @@ def decode_path(weight: QuantizedWeight, rows: int, dtype: torch.dtype) -> str:
 def wq_matmul(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None = None,
               config: dict | None = None, path: str | None = None) -> torch.Tensor:
     """``F.linear(x, weight.dequantize(x.dtype), bias)``: x [M, K] -> [M, N]. ``path`` ("gemv",
-    "swapped", "dequant", "dense") and ``config`` (the kernel's tile: BLOCK_N and BLOCK_KW, SPLITS
+    "swapped", "dequant", "dense", "slabs") and ``config`` (the kernel's tile: BLOCK_N and BLOCK_KW, SPLITS
     for the GEMV; BLOCK_N, BLOCK_M, SPLIT_K, PERM, XSUM_DOT for the swapped kernel; BLOCK_M,
-    BLOCK_N, BLOCK_K for dequant; num_warps, num_stages) override the choice (sweeps, tests)."""
+    BLOCK_N, BLOCK_K for dequant; num_warps, num_stages; SLAB_BYTES for slabs) override the choice
+    (sweeps, tests)."""
     check_launchable(x, weight.qweight)
     m, k = x.shape
     n = weight.shape[0]
@@ -693,6 +816,9 @@ def wq_matmul(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | Non
         path = decode_path(weight, m, x.dtype)
     if path == "dense":  # cuBLAS on a transient dense copy (module docstring)
         return torch.nn.functional.linear(x, dequantize(weight, x.dtype), bias)
+    if path == "slabs":
+        return _slabs(x, weight, bias, out, (config or {}).get("SLAB_BYTES", SLAB_BYTES),
+                      (config or {}).get("SLAB_STREAMS", 1))
     g = weight.group_size
     biases = weight.scales if weight.biases is None else weight.biases
     opts = dict(BITS=weight.bits, GROUP=g, HAS_BIAS=bias is not None, **pdl_launch(x.device))
