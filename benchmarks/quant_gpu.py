@@ -3,15 +3,13 @@ with dummy:llama-3.1-8b quantized at load (bf16 vs int8 vs int4 in the same run)
 
     python benchmarks/quant_gpu.py --out quant.json [--configs none int8 int4] [--parts kernels engine]
         [--batches 1 8 16 64] [--sweep-prefill] [--decode-rows 1 2 4 8 16] [--sweep-gemv] [--gemv-tl-load]
-        [--swap-sweep 16 64 512] [--shapes qkv_proj ...] [--swap-max-rows 8:128] [--paths dense slabs]
-        [--slab-sweep 2 4 8 16] [--slab-streams 1 2 4]
+        [--swap-sweep 16 64 512] [--shapes qkv_proj ...] [--swap-max-rows 8:128] [--paths swapped dense]
 
 kernels  each Llama-3.1-8B projection (and the LM head in int8) at 1, 8, 16, 64 and 512 rows:
          median time (triton.testing.do_bench) of bf16 (the engine's path: skinny matmul at 1 row,
          cuBLAS above), int8 and int4 (group 128), the bytes each must read and its time at the
          measured copy rate, and the relative error against the dequantize-then-matmul reference
- decode  each path of kernels/wq_matmul.py (gemv, dequant, swapped, dense, slabs, and the one it picks;
-         dense-i2f: the dense path with the dequantize kernel before the exponent trick)
+ decode  each path of kernels/wq_matmul.py (gemv, dequant, swapped, dense, and the one it picks)
          per projection at --decode-rows, against bf16 (the engine's linear: skinny kernel or
          cuBLAS), in CUDA graphs over weight copies that miss the L2 (as a decode step meets them);
          --sweep-gemv: the GEMV's tiles and splits; --swap-sweep: the swapped kernel's tiles,
@@ -39,7 +37,6 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.gpu_engine import measure_ceilings, random_prompt, workload_b  # noqa: E402
-from kernels._triton import jit, tl, triton  # noqa: E402
 
 PRESET = "llama-3.1-8b"
 SHAPES = {"qkv_proj": (6144, 4096), "o_proj": (4096, 4096), "gate_up_proj": (28672, 4096),
@@ -93,47 +90,6 @@ def bench_kernels(ceilings: dict, rows_list: list[int], sweep: bool) -> dict:
     return out
 
 
-def dequantize_i2f(weight, dtype: torch.dtype) -> torch.Tensor:
-    """The dense path's dequantize pass before the exponent trick (kernels/wq_matmul.py at 884479b:
-    nibbles shifted out, int-to-float conversions, q * s + b), kept here for the A/B."""
-    n, k = weight.shape
-    out = torch.empty(n, k, dtype=dtype, device=weight.device)
-    block_n, block_k = 32, max(weight.group_size, 128)
-    _dequantize_i2f_kernel[(triton.cdiv(n, block_n), triton.cdiv(k, block_k))](
-        weight.qweight, weight.scales, weight.scales if weight.biases is None else weight.biases, out, n, k,
-        weight.qweight.stride(0), weight.scales.stride(0), out.stride(0), BITS=weight.bits, GROUP=weight.group_size,
-        BLOCK_N=block_n, BLOCK_K=block_k)
-    return out
-
-
-@jit
-def _dequantize_i2f_kernel(q_ptr, s_ptr, b_ptr, out_ptr, N, K, stride_qn, stride_sn, stride_on, BITS: tl.constexpr,
-           GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    PACK: tl.constexpr = 2 if BITS == 4 else 1
-    NG: tl.constexpr = BLOCK_K // GROUP
-    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    k0 = tl.program_id(1) * BLOCK_K
-    offs_kq = k0 // PACK + tl.arange(0, BLOCK_K // PACK)
-    n_mask = offs_n < N
-    q = tl.load(q_ptr + offs_n[:, None].to(tl.int64) * stride_qn + offs_kq[None, :],
-                mask=n_mask[:, None] & (offs_kq < K // PACK)[None, :], other=0)
-    if BITS == 4:
-        q = tl.interleave(q & 0x0F, q >> 4)
-    offs_g = k0 // GROUP + tl.arange(0, NG)
-    sg = offs_n[:, None].to(tl.int64) * stride_sn + offs_g[None, :]
-    sg_mask = n_mask[:, None] & (offs_g < K // GROUP)[None, :]
-    w = tl.reshape(q.to(tl.float32), [BLOCK_N, NG, GROUP]) * tl.load(s_ptr + sg, mask=sg_mask, other=0.0).to(
-        tl.float32)[:, :, None]
-    if BITS == 4:
-        w += tl.load(b_ptr + sg, mask=sg_mask, other=0.0).to(tl.float32)[:, :, None]
-    offs_k = k0 + tl.arange(0, BLOCK_K)
-    tl.store(out_ptr + offs_n[:, None].to(tl.int64) * stride_on + offs_k[None, :],
-             tl.reshape(w, [BLOCK_N, BLOCK_K]).to(out_ptr.dtype.element_ty),
-             mask=n_mask[:, None] & (offs_k < K)[None, :])
-
-
-
-
 def graph_us(calls: list) -> float:
     """Median µs a call of ``calls`` (one per weight copy, together several times the L2), replayed
     from one CUDA graph as the engine's decode step runs them."""
@@ -181,13 +137,11 @@ def swap_sweep_configs(rows: int, bits: int) -> list[dict]:
 
 
 def bench_decode(ceilings: dict, rows_list: list[int], sweep: bool, swap_sweep: list[int] = (),
-                 shapes: list[str] | None = None, only: list[str] | None = None,
-                 slab_sweep: list[float] = (), slab_streams: list[int] = (1,)) -> dict:
+                 shapes: list[str] | None = None, only: list[str] | None = None) -> dict:
     """Each path (kernels/wq_matmul.py) per projection and row count, timed in CUDA graphs over
     enough weight copies to miss the L2; with ``sweep`` the GEMV's tiles and splits at 1 row, and
     at the rows in ``swap_sweep`` the swapped kernel's (swap_sweep_configs); ``only``: these paths
-    (and bf16, chosen); ``slab_sweep``: the slabs path at these MB a slab too ("slabs<MB>"), on
-    each of ``slab_streams`` side streams ("slabs<MB>x<streams>" above 1)."""
+    (and bf16, chosen)."""
     from kernels.wq_matmul import DECODE_MAX_ROWS, GEMV_MAX_ROWS, GEMV_SPLITS, GEMV_TILES, decode_path, wq_matmul
     from kernels.wquant import quantize
     from worker.models.parallel_layers import linear
@@ -217,16 +171,10 @@ def bench_decode(ceilings: dict, rows_list: list[int], sweep: bool, swap_sweep: 
                     ref = x.float() @ ws[0].dequantize().t()
                     paths = {}
                     names = (["gemv"] if rows <= GEMV_MAX_ROWS else []) + (["dequant"] if rows <= DECODE_MAX_ROWS else [])
-                    names += ["swapped", "dense", "dense-i2f", "slabs"]
-                    runs = {p: (p, None) for p in names if not only or p in only}
-                    runs.update({f"slabs{mb:g}" + (f"x{st}" if st > 1 else ""):
-                                 ("slabs", {"SLAB_BYTES": int(mb * 2**20), "SLAB_STREAMS": st})
-                                 for mb in slab_sweep for st in slab_streams})
-                    for p, (path, cfg) in runs.items():
-                        if path == "dense-i2f":  # the dense path as it was: the shifts-and-I2F dequantize kernel
-                            fns = [lambda w=w: torch.nn.functional.linear(x, dequantize_i2f(w, x.dtype)) for w in ws]
-                        else:
-                            fns = [lambda w=w, path=path, cfg=cfg: wq_matmul(x, w, config=cfg, path=path) for w in ws]
+                    for p in names + ["swapped", "dense"]:
+                        if only and p not in only:
+                            continue
+                        fns = [lambda w=w, p=p: wq_matmul(x, w, path=p) for w in ws]
                         err = ((fns[0]().float() - ref).norm() / ref.norm()).item()
                         paths[p] = fns
                         out[f"{name}/{rows}/{fmt}/{p}/rel_err"] = err
@@ -288,10 +236,7 @@ def print_decode_table(res: dict, rows_list: list[int]) -> None:
     """µs per projection summed over one layer (qkv, o, gate_up, down) per rows: bf16 and each path."""
     layer = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
     found = {key.split("/")[3] for key in res if key.count("/") == 3 and isinstance(res[key], dict)}
-    cols = [p for p in ("bf16", "gemv", "dequant", "swapped", "swap-best", "dense-i2f", "dense", "slabs") if p in found]
-    cols += sorted((p for p in found if p.startswith("slabs") and p != "slabs"),
-                   key=lambda p: tuple(float(v) for v in p[5:].split("x")))
-    cols.append("chosen")
+    cols = [p for p in ("bf16", "gemv", "dequant", "swapped", "swap-best", "dense") if p in found] + ["chosen"]
     print(f"\n{'rows':>5} {'fmt':<5}" + "".join(f"{p:>10}" for p in cols) + "   (us a layer)")
     for rows in rows_list:
         for fmt in ("int8", "int4"):
@@ -301,31 +246,6 @@ def print_decode_table(res: dict, rows_list: list[int]) -> None:
                 vals = [res.get(f"{name}/{rows}/{key}/{p}", {}).get("us") for name in layer]
                 cells.append(f"{sum(vals):>10.1f}" if all(v is not None for v in vals) else f"{'':>10}")
             print(f"{rows:>5} {fmt:<5}" + "".join(cells))
-
-
-def slab_kernels(rows: int = 512) -> list[str]:
-    """The kernels one slabs call launches (gate_up, int4): dequantize and cuBLAS pairs, and no copy
-    of the strided output columns."""
-    from kernels.wq_matmul import wq_matmul
-    from kernels.wquant import quantize
-
-    n, k = SHAPES["gate_up_proj"]
-    q = quantize(torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02, 4, 128)
-    q.scales, q.biases = q.scales.bfloat16(), q.biases.bfloat16()
-    x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
-    wq_matmul(x, q, path="slabs")
-    torch.cuda.synchronize()
-    try:
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-            wq_matmul(x, q, path="slabs")
-            torch.cuda.synchronize()
-        names = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-    except Exception as exc:  # noqa: BLE001 - no profiler there: the timings still tell
-        print(f"slab kernels: no profile ({type(exc).__name__} {exc})"[:200], flush=True)
-        return []
-    print(f"slabs, gate_up int4 at {rows} rows: {len(names)} kernels, {sum('copy' in k.lower() for k in names)} copies; "
-          f"first {names[:3]}", flush=True)
-    return names
 
 
 def decode_step_ms(engine, batch: int, vocab: int, rng: random.Random, new: int = 48) -> float:
@@ -396,9 +316,6 @@ def main() -> None:
     ap.add_argument("--swap-max-rows", nargs="+", default=[], metavar="BITS:ROWS",
                     help="override kernels/wq_matmul.py's SWAP_MAX_ROWS (A/B of the crossover), e.g. 8:128")
     ap.add_argument("--paths", nargs="+", help="decode part: these paths of kernels/wq_matmul.py only (and bf16, chosen)")
-    ap.add_argument("--slab-sweep", type=float, nargs="*", default=[], metavar="MB",
-                    help="decode part: the slabs path at these MB a slab too")
-    ap.add_argument("--slab-streams", type=int, nargs="+", default=[1], help="decode part: --slab-sweep on these streams")
     ap.add_argument("--gemv-tl-load", action="store_true",
                     help="decode part: the GEMV's scales and x by tl.load, not inline asm (A/B of GEMV_ASM)")
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 16, 64])
@@ -427,10 +344,8 @@ def main() -> None:
 
             kernels.wq_matmul.GEMV_ASM = False
         try:
-            if "slabs" in (args.paths or ["slabs"]) or args.slab_sweep:
-                res["slab_kernels"] = slab_kernels()
             res["decode"] = bench_decode(res["ceilings"], args.decode_rows, args.sweep_gemv, args.swap_sweep,
-                                         args.shapes, args.paths, args.slab_sweep, args.slab_streams)
+                                         args.shapes, args.paths)
         finally:
             if args.out:
                 Path(args.out).write_text(json.dumps(res, indent=1))

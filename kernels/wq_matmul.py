@@ -27,7 +27,9 @@ Paths by rows of x (decode_path; the crossovers were measured on an H200):
 - "dense" (more rows): the weight dequantized in one pass to a transient copy in x's dtype, then
   cuBLAS. Dequantizing in the older kernel's main loop (weight as the second operand) measured
   2.5-3x cuBLAS's time at 512-2048 rows (docs/BENCHMARKS.md); the copy costs a write and a read
-  of the dense weight per call.
+  of the dense weight per call. Doing it in L2-sized slabs of rows, cuBLAS on each right after it
+  is written, measured 1.2-2x slower than the whole copy at 64-2048 rows on an H200, also over 2-8
+  streams (each slab's cuBLAS grid is small and re-reads x; docs/BENCHMARKS.md, seventh run).
 
 Tiles (and the GEMV's split) are tuned per (N, K, format, rows) at first use: the engine's
 warm-up, before CUDA-graph capture. Measured on an H200 (docs/BENCHMARKS.md): the GEMV reads
@@ -520,94 +522,22 @@ def _dequantize_block_k(group: int, k: int) -> int:
     return block_k
 
 
-def dequantize(weight: QuantizedWeight, dtype: torch.dtype, out: torch.Tensor | None = None) -> torch.Tensor:
-    """``weight.dequantize(dtype)`` in one pass on the device: [N, K] in ``dtype`` (into ``out``, a
-    row-contiguous [N, K] tensor of that dtype, if given)."""
+def dequantize(weight: QuantizedWeight, dtype: torch.dtype) -> torch.Tensor:
+    """``weight.dequantize(dtype)`` in one pass on the device: [N, K] in ``dtype``."""
     check_launchable(weight.qweight)
     n, k = weight.shape
     g = weight.group_size
     q = weight.qweight
     words = not (q.stride(0) % 4 or q.storage_offset() % 4 or q.data_ptr() % 4 or k % (8 if weight.bits == 4 else 4))
     if g & (g - 1) or not words:  # a group of a whole row that is no power of two (per channel); odd views
-        w = weight.dequantize(dtype)
-        return w if out is None else out.copy_(w)
-    if out is None:
-        out = torch.empty(n, k, dtype=dtype, device=weight.device)
-    assert out.shape == (n, k) and out.dtype == dtype and out.stride(1) == 1
+        return weight.dequantize(dtype)
+    out = torch.empty(n, k, dtype=dtype, device=weight.device)
     block_n, block_k = 32, _dequantize_block_k(g, k)
     _dequantize_kernel[(triton.cdiv(n, block_n), k // block_k)](
         q, weight.scales, weight.scales if weight.biases is None else weight.biases, out, n, k,
         q.stride(0), weight.scales.stride(0), out.stride(0), BITS=weight.bits, GROUP=g,
         BLOCK_N=block_n, BLOCK_K=block_k, **pdl_launch(weight.device))
     return out
-
-
-# "slabs": the dense path's transient bf16 weight dequantized SLAB_BYTES at a time (whole rows of
-# W, SLAB_ROWS_ALIGN apart) into one scratch buffer, each slab multiplied by cuBLAS right after it is
-# written, into its columns of the output: the bf16 bytes are written to and read back from the L2
-# (50 MB on an H200) instead of DRAM, which then carries the packed weight alone.
-SLAB_BYTES = 8 << 20
-SLAB_ROWS_ALIGN = 128
-_slab_buffers: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
-
-
-def _slab_buffer(device: torch.device, dtype: torch.dtype, numel: int) -> torch.Tensor:
-    """The scratch of at least ``numel`` elements, grown (never shrunk or freed) at warm-up, before
-    any CUDA graph is captured; one per device and dtype, reused by every call in stream order."""
-    buf = _slab_buffers.get((device, dtype))
-    if buf is None or buf.numel() < numel:
-        assert device.type != "cuda" or not torch.cuda.is_current_stream_capturing(), \
-            "wq_matmul: a slab size first met inside CUDA-graph capture (warm up first)"
-        if buf is not None:
-            _retired.append(buf)
-        buf = torch.empty(numel, dtype=dtype, device=device)
-        _slab_buffers[(device, dtype)] = buf
-    return buf
-
-
-_slab_streams: dict[torch.device, list] = {}
-
-
-def _side_streams(device: torch.device, count: int) -> list:
-    streams = _slab_streams.setdefault(device, [])
-    while len(streams) < count:
-        assert not torch.cuda.is_current_stream_capturing(), "wq_matmul: slab streams first met inside capture"
-        streams.append(torch.cuda.Stream(device))
-    return streams[:count]
-
-
-def _slabs(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None, out: torch.Tensor,
-           slab_bytes: int, streams: int = 1) -> torch.Tensor:
-    """With ``streams`` > 1 the slabs go round that many side streams (forked from and joined back
-    to the current one, as CUDA graphs take them), each with its own slab of scratch, so several
-    slabs' small cuBLAS grids run at once."""
-    n, k = weight.shape
-    rows = min(n, max(SLAB_ROWS_ALIGN, slab_bytes // (k * x.element_size()) // SLAB_ROWS_ALIGN * SLAB_ROWS_ALIGN))
-    count = min(streams, -(-n // rows))
-    buf = _slab_buffer(x.device, x.dtype, rows * k * count)
-    side = _side_streams(x.device, count) if count > 1 else []
-    main = torch.cuda.current_stream(x.device) if side else None
-    for s in side:
-        s.wait_stream(main)
-    for i, n0 in enumerate(range(0, n, rows)):
-        r = min(rows, n - n0)
-        j = i % count
-        with torch.cuda.stream(side[j]) if side else _no_stream():
-            w = dequantize(weight.narrow(0, n0, r), x.dtype, out=buf[j * rows * k: j * rows * k + r * k].view(r, k))
-            torch.mm(x, w.t(), out=out[:, n0:n0 + r])  # cuBLAS writes the strided columns in place (ldc = n)
-    for s in side:
-        main.wait_stream(s)
-    if bias is not None:
-        out += bias
-    return out
-
-
-class _no_stream:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *exc):
-        return False
 
 
 def _fits(group: int, k: int, block_k: int) -> bool:
@@ -800,10 +730,9 @@ def decode_path(weight: QuantizedWeight, rows: int, dtype: torch.dtype) -> str:
 def wq_matmul(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None = None,
               config: dict | None = None, path: str | None = None) -> torch.Tensor:
     """``F.linear(x, weight.dequantize(x.dtype), bias)``: x [M, K] -> [M, N]. ``path`` ("gemv",
-    "swapped", "dequant", "dense", "slabs") and ``config`` (the kernel's tile: BLOCK_N and BLOCK_KW, SPLITS
+    "swapped", "dequant", "dense") and ``config`` (the kernel's tile: BLOCK_N and BLOCK_KW, SPLITS
     for the GEMV; BLOCK_N, BLOCK_M, SPLIT_K, PERM, XSUM_DOT for the swapped kernel; BLOCK_M,
-    BLOCK_N, BLOCK_K for dequant; num_warps, num_stages; SLAB_BYTES for slabs) override the choice
-    (sweeps, tests)."""
+    BLOCK_N, BLOCK_K for dequant; num_warps, num_stages) override the choice (sweeps, tests)."""
     check_launchable(x, weight.qweight)
     m, k = x.shape
     n = weight.shape[0]
@@ -816,9 +745,6 @@ def wq_matmul(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | Non
         path = decode_path(weight, m, x.dtype)
     if path == "dense":  # cuBLAS on a transient dense copy (module docstring)
         return torch.nn.functional.linear(x, dequantize(weight, x.dtype), bias)
-    if path == "slabs":
-        return _slabs(x, weight, bias, out, (config or {}).get("SLAB_BYTES", SLAB_BYTES),
-                      (config or {}).get("SLAB_STREAMS", 1))
     g = weight.group_size
     biases = weight.scales if weight.biases is None else weight.biases
     opts = dict(BITS=weight.bits, GROUP=g, HAS_BIAS=bias is not None, **pdl_launch(x.device))

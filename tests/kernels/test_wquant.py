@@ -138,14 +138,10 @@ def test_gemv_tiles_and_splits_agree(bits, kw, splits, bn):
 def test_dequantize_kernel_is_within_a_hundredth_of_a_step_of_the_reference(bits, group, k):
     """The fields read as 2^(23 - p) + q and the constant taken out in the FMA: every weight of
     every field position within 2^-7 of its group's scale (the constant's rounding is at most
-    2^-9 s), and the same rows into a given buffer."""
+    2^-9 s)."""
     qw = quantize(torch.randn(70, k) * 3, bits, group)
-    want = qw.dequantize()
     step = qw.scales.repeat_interleave(group, 1)
-    assert ((dequantize(qw, torch.float32) - want).abs() <= step / 128).all()
-    buf = torch.full((70, k), float("nan"))
-    dequantize(qw, torch.float32, out=buf)
-    assert ((buf - want).abs() <= step / 128).all()
+    assert ((dequantize(qw, torch.float32) - qw.dequantize()).abs() <= step / 128).all()
 
 
 @pytest.mark.parametrize("bits", [4, 8])
@@ -155,21 +151,6 @@ def test_dequantize_falls_back_where_int4_rows_are_no_whole_words(bits):
     view.copy_(qw.qweight)
     qw.qweight = view
     assert torch.equal(dequantize(qw, torch.float32), qw.dequantize())
-
-
-@pytest.mark.parametrize("bits", [4, 8])
-@pytest.mark.parametrize("slab_rows", [128, 256, 1024])  # 3 slabs (the last short), 2, 1
-def test_slabs_match_the_dense_path(bits, slab_rows):
-    """Slabs of whole rows dequantized into one scratch buffer, each multiplied into its columns
-    of the output (the bias added once). 1e-3: the dequantize pass's constants round to 2^-9 of a
-    step (2e-4 of int4's weights in float32)."""
-    from kernels.wq_matmul import _slab_buffers
-
-    qw, x, bias, want = _reference(bits, 64, 256, 20, torch.float32, n=300)
-    for _ in range(2):  # the second call reuses the scratch
-        got = wq_matmul(x, qw, bias, config=dict(SLAB_BYTES=slab_rows * 256 * 4), path="slabs")
-        assert got.shape == (20, 300) and ((got - want).norm() / want.norm()).item() < 1e-3
-    assert _slab_buffers[(x.device, x.dtype)].numel() >= min(slab_rows, 300) * 256
 
 
 
