@@ -74,6 +74,8 @@ def main() -> None:
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--quantization", default="none",
                     help="weights: none (the GGUF dequantized, as recorded) or auto (packed, the serving default)")
+    ap.add_argument("--draft-quantization", default=None,
+                    help="a draft:MODEL's weights (default: as --quantization), e.g. auto: a packed draft")
     ap.add_argument("--workloads", nargs="+", default=["code", "chat"])
     ap.add_argument("--batches", nargs="+", type=int, default=[1, 8])
     ap.add_argument("--speculative", nargs="+", default=["ngram"])
@@ -90,7 +92,9 @@ def main() -> None:
     plain = LLMEngine(EngineConfig(**base_cfg))
     engines = {"none": plain}
     for spec in args.speculative:
-        engines[spec] = LLMEngine(EngineConfig(**base_cfg, speculative=spec, num_speculative_tokens=args.k),
+        draft_quantization = args.draft_quantization if spec.startswith("draft:") else None
+        engines[spec] = LLMEngine(EngineConfig(**base_cfg, speculative=spec, num_speculative_tokens=args.k,
+                                               speculative_draft_quantization=draft_quantization),
                                   tokenizer=plain.tokenizer, model=plain.model)
     results = []
     for workload in args.workloads:

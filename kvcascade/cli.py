@@ -93,6 +93,9 @@ _ENGINE_FLAGS = (
     _EngineFlag("--speculative-max-batch", "speculative_max_batch", int,
                 "draft only while at most this many requests run (CPU: verification rows cost compute past ~4 "
                 "rows; GPU: nearly free to ~100)", unset="always"),
+    _EngineFlag("--speculative-draft-quantization", "speculative_draft_quantization", str,
+                "the draft model's weights, as --quantization (default: the target's): e.g. a dense target "
+                "checked against its checkpoint with an int4 draft, cheaper per drafted token", unset="the target's"),
     _EngineFlag("--tp", "tensor_parallel_size", int,
                 "tensor parallel size: ranks (GPUs of this node with --device cuda, else CPU processes) the "
                 "model is split over; --kv-cache-memory is then per rank"),

@@ -234,6 +234,33 @@ def test_a_draft_models_kv_is_counted_in_the_pool(make_engine):
     assert engine.block_manager.num_blocks == size // (target + drafts) == draft.num_blocks
 
 
+def test_a_packed_draft_for_a_dense_target_keeps_the_targets_output(make_engine, prompt_ids, hf_reference):
+    """--speculative-draft-quantization: the draft serves packed (int4 from its Q4_1 GGUF) while the
+    target stays dense; the output is still the dense target's, the transformers reference."""
+    from worker.models.quantization import QuantizedLinearWeight
+
+    engine = make_engine(speculative="draft:smollm2-135m", num_speculative_tokens=3,
+                         speculative_draft_quantization="auto")
+    draft = engine.drafter.runner.model
+    assert any(isinstance(m, QuantizedLinearWeight) for m in draft.modules())
+    assert not any(isinstance(m, QuantizedLinearWeight) for m in engine.model.modules())
+    assert engine.generate(prompt_ids, GREEDY) == hf_reference
+    stats = engine.spec_stats
+    assert 0 < stats.accepted < stats.drafted, stats  # int4 drafts: mostly, not always, the target's tokens
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+
+
+@pytest.mark.parametrize("overrides, message", [
+    ({"speculative": "draft:smollm2-135m", "speculative_draft_quantization": "int3"},
+     "speculative_draft_quantization must be none, auto, int8 or int4, got 'int3'"),
+    ({"speculative": "ngram", "speculative_draft_quantization": "auto"},
+     "speculative_draft_quantization needs speculative draft:MODEL"),
+])
+def test_a_bad_draft_quantization_is_refused_by_name(overrides, message):
+    with pytest.raises(ValueError, match=message):
+        EngineConfig(**overrides)
+
+
 def test_a_draft_model_of_another_vocabulary_is_refused_by_name(make_engine):
     with pytest.raises(ValueError, match="draft model 'dummy:tiny' has another vocabulary than the target"):
         make_engine(speculative="draft:dummy:tiny")

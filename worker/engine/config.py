@@ -98,6 +98,9 @@ class EngineConfig:
     # Draft only while at most this many requests run (None: always). Verification costs rows:
     # nearly free on a GPU up to ~100 rows, but a CPU's GEMMs turn compute-bound at ~4 rows.
     speculative_max_batch: int | None = None
+    # The draft model's weights (None: as the target's `quantization`): a packed draft costs a
+    # fraction of a dense one per token while the output stays the target's (draft:MODEL only).
+    speculative_draft_quantization: str | None = None
 
     @property
     def speculative_config(self) -> SpeculativeConfig | None:
@@ -135,6 +138,14 @@ class EngineConfig:
             SpeculativeConfig.parse(self.speculative, self.num_speculative_tokens)
         if self.speculative_max_batch is not None and self.speculative_max_batch < 1:
             raise ValueError(f"speculative_max_batch must be >= 1, got {self.speculative_max_batch}")
+        if self.speculative_draft_quantization is not None:
+            if self.speculative_draft_quantization not in QUANTIZATION_NAMES:
+                *first, last = QUANTIZATION_NAMES
+                raise ValueError(f"speculative_draft_quantization must be {', '.join(first)} or {last}, got "
+                                 f"{self.speculative_draft_quantization!r}")
+            spec = self.speculative_config
+            if spec is None or spec.method != "draft":
+                raise ValueError("speculative_draft_quantization needs speculative draft:MODEL")
         if self.async_scheduling is None:
             # The lookahead launches a step before the one before is read; a drafter needs every
             # token known, so speculation runs each step plainly.

@@ -78,7 +78,8 @@ def load_draft(config: EngineConfig, spec: SpeculativeConfig, tokenizer, target:
                          f"({cfg.vocab_size} vs {target.vocab_size} ids, or other tokens): a draft must share the "
                          f"target's tokenizer")
     # (speculative stays set: the draft's runner captures graphs for multi-token rows too)
-    draft_config = dataclasses.replace(config, model=spec.draft_model)
+    draft_config = dataclasses.replace(config, model=spec.draft_model,
+                                       quantization=config.speculative_draft_quantization or config.quantization)
     model = build_model(draft_config, source, cfg).eval()
     bpb = kv_bytes_per_block(cfg, config.block_size, kv_storage_dtype(config), model.kv_heads)
     return LoadedDraft(draft_config, cfg, model, bpb)
