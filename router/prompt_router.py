@@ -29,6 +29,7 @@ import numpy as np
 FORMAT = "kvcascade-prompt-router/1"
 DIM = 1 << 14  # hashed feature space; collisions cost little at a few hundred distinct n-grams
 _TOKEN = re.compile(r"[a-z]+|\d+|[^\sa-z\d]")
+MAX_TOKENS = 256  # words of a prompt the router reads
 
 
 class PromptRouterError(ValueError):
@@ -41,8 +42,10 @@ def tokens(text: str) -> list[str]:
 
 
 def features(text: str) -> np.ndarray:
-    """Indices of the prompt's hashed unigrams, bigrams and length bucket (a set: 0/1 features)."""
-    toks = tokens(text)
+    """Indices of the prompt's hashed unigrams, bigrams and length bucket (a set: 0/1 features),
+    over its first MAX_TOKENS words: the router scores on the event loop, so a long prompt costs
+    at most about half a millisecond."""
+    toks = tokens(text[: MAX_TOKENS * 16])[:MAX_TOKENS]
     grams = [*toks, *(f"{a} {b}" for a, b in zip(toks, toks[1:])), f"#len{min(len(toks) // 8, 16)}"]
     return np.unique(np.fromiter((zlib.crc32(g.encode()) % DIM for g in grams), dtype=np.int64, count=len(grams)))
 

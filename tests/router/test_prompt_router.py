@@ -83,3 +83,13 @@ def test_cross_fitted_scores_are_not_memorised() -> None:
     fitted, _ = cross_fit(texts, right)
     agree = sum((s > rate) == r for s, r in zip(fitted, right)) / len(texts)
     assert agree < 0.75
+
+
+def test_a_long_prompt_is_read_to_its_first_words_only() -> None:
+    """The router scores on the router's event loop: a 100k-word prompt costs what 256 words do."""
+    from router.prompt_router import MAX_TOKENS
+
+    texts, right = labelled(random.Random(3), 30)
+    router = PromptRouter.train(texts, right)
+    head = " ".join(["What is 512 times 877?"] * (MAX_TOKENS // 6 + 1))
+    assert router.score(head + " capital of France" * 50_000) == router.score(head)
