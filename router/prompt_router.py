@@ -2,8 +2,7 @@
 
 A cascade that must run its small tier first pays that tier on every request, also on the ones
 it will escalate; with a 0.5B beside a 1.5B that is a third of the large model's compute each
-time, so even a router that knew which answers are right could not go below ~0.6x (issue 16).
-RouteLLM's answer is to decide before generating: a classifier trained on labelled traffic
+time it escalates (issue 16). RouteLLM's answer is to decide before generating: a classifier trained on labelled traffic
 sends the prompts the small model gets wrong straight to the large one. This is the smallest
 such classifier: a logistic regression over hashed word n-grams of the prompt, numbers reduced
 to their digit count ("What is 347 times 29" -> ``what is <3> times <2>``), so it learns which

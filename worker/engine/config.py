@@ -16,6 +16,13 @@ KV_CACHE_DTYPE_NAMES = ("auto", "int8", "fp8")
 QUANTIZATION_NAMES = ("none", "auto", "int8", "int4")
 
 
+def _one_of(name: str, value: str, names: tuple[str, ...]) -> None:
+    """Refuse ``value`` of field ``name`` unless it is one of ``names``, naming them all."""
+    if value not in names:
+        *first, last = names
+        raise ValueError(f"{name} must be {', '.join(first)} or {last}, got {value!r}")
+
+
 @dataclass(frozen=True)
 class SpeculativeConfig:
     """``--speculative``: ``ngram`` or ``ngram:MIN-MAX`` (prompt lookup over n-grams of MIN to MAX
@@ -119,14 +126,9 @@ class EngineConfig:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
-        if self.dtype not in ("float32", "bfloat16", "float16"):
-            raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
-        if self.kv_cache_dtype not in KV_CACHE_DTYPE_NAMES:
-            *first, last = KV_CACHE_DTYPE_NAMES
-            raise ValueError(f"kv_cache_dtype must be {', '.join(first)} or {last}, got {self.kv_cache_dtype!r}")
-        if self.quantization not in QUANTIZATION_NAMES:
-            *first, last = QUANTIZATION_NAMES
-            raise ValueError(f"quantization must be {', '.join(first)} or {last}, got {self.quantization!r}")
+        _one_of("dtype", self.dtype, ("float32", "bfloat16", "float16"))
+        _one_of("kv_cache_dtype", self.kv_cache_dtype, KV_CACHE_DTYPE_NAMES)
+        _one_of("quantization", self.quantization, QUANTIZATION_NAMES)
         if self.quantization_group_size not in (16, 32, 64, 128, 256):
             raise ValueError(f"quantization_group_size must be 16, 32, 64, 128 or 256, got "
                              f"{self.quantization_group_size}")
@@ -139,10 +141,7 @@ class EngineConfig:
         if self.speculative_max_batch is not None and self.speculative_max_batch < 1:
             raise ValueError(f"speculative_max_batch must be >= 1, got {self.speculative_max_batch}")
         if self.speculative_draft_quantization is not None:
-            if self.speculative_draft_quantization not in QUANTIZATION_NAMES:
-                *first, last = QUANTIZATION_NAMES
-                raise ValueError(f"speculative_draft_quantization must be {', '.join(first)} or {last}, got "
-                                 f"{self.speculative_draft_quantization!r}")
+            _one_of("speculative_draft_quantization", self.speculative_draft_quantization, QUANTIZATION_NAMES)
             spec = self.speculative_config
             if spec is None or spec.method != "draft":
                 raise ValueError("speculative_draft_quantization needs speculative draft:MODEL")
