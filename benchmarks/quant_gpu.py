@@ -4,16 +4,18 @@ with dummy:llama-3.1-8b quantized at load (bf16 vs int8 vs int4 in the same run)
     python benchmarks/quant_gpu.py --out quant.json [--configs none int8 int4] [--parts kernels engine]
         [--batches 1 8 16 64] [--sweep-prefill] [--decode-rows 1 2 4 8 16] [--sweep-gemv] [--gemv-tl-load]
         [--swap-sweep 16 64 512] [--shapes qkv_proj ...] [--swap-max-rows 8:128] [--paths swapped dense]
+        [--gluon-sweep 16 64] [--gluon-tiles 4:16:4 ...] [--gluon-inflight 0 1] [--no-gluon] [--gluon-rows 3:128]
 
 kernels  each Llama-3.1-8B projection (and the LM head in int8) at 1, 8, 16, 64 and 512 rows:
          median time (triton.testing.do_bench) of bf16 (the engine's path: skinny matmul at 1 row,
          cuBLAS above), int8 and int4 (group 128), the bytes each must read and its time at the
          measured copy rate, and the relative error against the dequantize-then-matmul reference
- decode  each path of kernels/wq_matmul.py (gemv, dequant, swapped, dense, and the one it picks)
+ decode  each path of kernels/wq_matmul.py (gemv, dequant, gluon, swapped, dense, and the one it picks)
          per projection at --decode-rows, against bf16 (the engine's linear: skinny kernel or
          cuBLAS), in CUDA graphs over weight copies that miss the L2 (as a decode step meets them);
          --sweep-gemv: the GEMV's tiles and splits; --swap-sweep: the swapped kernel's tiles,
-         splits and switches at the rows given; last, a table of µs a layer (qkv + o + gate_up + down) per path
+         splits and switches at the rows given; --gluon-sweep: kernels/wq_gluon.py's tiles and splits
+         (int4); last, a table of µs a layer (qkv + o + gate_up + down) per path
  engine  per --configs, in a process of its own (each sizes its KV pool from the whole GPU): ms per
          decode step at each --batches (prompts of 128 tokens, the median interval between steps
          once every request decodes; CUDA graphs and the lookahead as served), the weight bytes a
@@ -136,12 +138,53 @@ def swap_sweep_configs(rows: int, bits: int) -> list[dict]:
     return out
 
 
+def sweep_gluon(x: torch.Tensor, ws: list, ref: torch.Tensor, tag: str, tiles: list[tuple] | None = None,
+                inflight: tuple[int, ...] = (1,)) -> dict:
+    """kernels/wq_gluon.py's tiles (GLUON_TILES or ``tiles``) and K splits for one shape and rows,
+    each with the wgmma groups left in flight in ``inflight``: rel_err (the output poisoned with
+    NaN first: an unwritten element fails; a wrong one is located) and µs, as bench_decode times."""
+    from kernels.wq_gluon import gluon_configs, wq_gluon
+    from kernels.wq_matmul import WORKSPACE_ROWS, _workspace
+
+    (m, k), n = x.shape, ws[0].shape[0]
+    work, cnt = _workspace(x.device, n, -(-n // 64) * -(-WORKSPACE_ROWS // 16))
+    out, best = {}, None
+    for cfg in [{**c, "INFLIGHT": f} for c in gluon_configs(m, n, k, WORKSPACE_ROWS, tiles) for f in inflight]:
+        dst = torch.full((m, n), float("nan"), dtype=x.dtype, device=x.device)
+        try:
+            wq_gluon(x, ws[0], dst, None, work, cnt, cfg)
+            err = ((dst.float() - ref).norm() / ref.norm()).item()
+            us = graph_us([lambda w=w: wq_gluon(x, w, dst, None, work, cnt, cfg) for w in ws])
+        except Exception as exc:  # noqa: BLE001 - a tile that does not compile or fit
+            print(f"  gluon sweep {cfg}: {type(exc).__name__} {exc}"[:300], flush=True)
+            continue
+        label = "-".join(str(v) for v in cfg.values())
+        out[f"{tag}/gluon-sweep/{label}"] = {"us": us, "rel_err": err, "config": cfg}
+        print(f"  gluon {tag} {cfg}: {us:.1f} us  err {err:.1e}", flush=True)
+        if not err < 2e-2:  # where: rows of x, 64-row blocks of W, 128-column tiles are not told apart here
+            wrong = ~((dst.float() - ref).abs() <= 0.05 * ref.abs().max())
+            rows_bad = wrong.any(1).nonzero().flatten().tolist()
+            nblk_bad = sorted({c // 64 for c in wrong.any(0).nonzero().flatten().tolist()})
+            out[f"{tag}/gluon-sweep/{label}"].update(wrong_frac=wrong.float().mean().item(), rows_bad=rows_bad[:64],
+                                                     nblocks_bad=nblk_bad[:64])
+            print(f"    wrong {wrong.float().mean().item():.3f} of outputs; x rows {rows_bad[:8]}..{rows_bad[-4:]} "
+                  f"({len(rows_bad)}), 64-row W blocks {nblk_bad[:8]} ({len(nblk_bad)}); nan "
+                  f"{dst.isnan().float().mean().item():.3f}", flush=True)
+        if err == err and err < 2e-2 and (best is None or us < best[0]):
+            best = (us, cfg)
+    if best:
+        out[f"{tag}/gluon-best"] = {"us": best[0], "config": best[1]}
+    return out
+
+
 def bench_decode(ceilings: dict, rows_list: list[int], sweep: bool, swap_sweep: list[int] = (),
-                 shapes: list[str] | None = None, only: list[str] | None = None) -> dict:
+                 shapes: list[str] | None = None, only: list[str] | None = None, gluon_sweep: list[int] = (),
+                 gluon_tiles: list[tuple] | None = None, gluon_inflight: tuple[int, ...] = (1,)) -> dict:
     """Each path (kernels/wq_matmul.py) per projection and row count, timed in CUDA graphs over
     enough weight copies to miss the L2; with ``sweep`` the GEMV's tiles and splits at 1 row, and
     at the rows in ``swap_sweep`` the swapped kernel's (swap_sweep_configs); ``only``: these paths
     (and bf16, chosen)."""
+    from kernels.wq_gluon import gluon_fits
     from kernels.wq_matmul import DECODE_MAX_ROWS, GEMV_MAX_ROWS, GEMV_SPLITS, GEMV_TILES, decode_path, wq_matmul
     from kernels.wquant import quantize
     from worker.models.parallel_layers import linear
@@ -171,6 +214,7 @@ def bench_decode(ceilings: dict, rows_list: list[int], sweep: bool, swap_sweep: 
                     ref = x.float() @ ws[0].dequantize().t()
                     paths = {}
                     names = (["gemv"] if rows <= GEMV_MAX_ROWS else []) + (["dequant"] if rows <= DECODE_MAX_ROWS else [])
+                    names += ["gluon"] if gluon_fits(x, ws[0]) and rows >= 2 else []
                     for p in names + ["swapped", "dense"]:
                         if only and p not in only:
                             continue
@@ -206,6 +250,8 @@ def bench_decode(ceilings: dict, rows_list: list[int], sweep: bool, swap_sweep: 
                     if best:
                         out[f"{name}/{rows}/{fmt}/swap-best"] = {"us": best[0], "config": best[1]}
                         print(f"  swap sweep {name} {rows} {fmt}: best {best[0]:.1f} us at {best[1]}", flush=True)
+                if rows in gluon_sweep and fmt != "bf16" and gluon_fits(x, ws[0]):
+                    out.update(sweep_gluon(x, ws, ref, f"{name}/{rows}/{fmt}", gluon_tiles, gluon_inflight))
                 if sweep and fmt != "bf16" and rows == 1:
                     best = None
                     for bn, kw, warps in GEMV_TILES[ws[0].bits]:
@@ -236,7 +282,8 @@ def print_decode_table(res: dict, rows_list: list[int]) -> None:
     """µs per projection summed over one layer (qkv, o, gate_up, down) per rows: bf16 and each path."""
     layer = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
     found = {key.split("/")[3] for key in res if key.count("/") == 3 and isinstance(res[key], dict)}
-    cols = [p for p in ("bf16", "gemv", "dequant", "swapped", "swap-best", "dense") if p in found] + ["chosen"]
+    cols = [p for p in ("bf16", "gemv", "dequant", "gluon", "gluon-best", "swapped", "swap-best", "dense")
+            if p in found] + ["chosen"]
     print(f"\n{'rows':>5} {'fmt':<5}" + "".join(f"{p:>10}" for p in cols) + "   (us a layer)")
     for rows in rows_list:
         for fmt in ("int8", "int4"):
@@ -312,6 +359,14 @@ def main() -> None:
     ap.add_argument("--sweep-gemv", action="store_true")
     ap.add_argument("--swap-sweep", type=int, nargs="*", default=[], metavar="ROWS",
                     help="decode part: the swapped kernel's tiles and switches at these rows")
+    ap.add_argument("--gluon-sweep", type=int, nargs="*", default=[], metavar="ROWS",
+                    help="decode part: kernels/wq_gluon.py's tiles and splits at these rows")
+    ap.add_argument("--gluon-tiles", nargs="+", metavar="WARPS:BLOCK_M:STAGES",
+                    help="--gluon-sweep: these tiles, not kernels/wq_gluon.py's GLUON_TILES")
+    ap.add_argument("--gluon-inflight", type=int, nargs="+", default=[1],
+                    help="--gluon-sweep: wgmma groups left in flight (0: wait for each tile's, the A/B)")
+    ap.add_argument("--no-gluon", action="store_true", help="kernels/wq_matmul.py's GLUON switch off (A/B)")
+    ap.add_argument("--gluon-rows", default=None, metavar="LO:HI", help="override GLUON_ROWS[4] (A/B of the crossover)")
     ap.add_argument("--shapes", nargs="+", choices=list(SHAPES), help="decode part: these projections only")
     ap.add_argument("--swap-max-rows", nargs="+", default=[], metavar="BITS:ROWS",
                     help="override kernels/wq_matmul.py's SWAP_MAX_ROWS (A/B of the crossover), e.g. 8:128")
@@ -329,6 +384,9 @@ def main() -> None:
     for item in args.swap_max_rows:
         bits, rows = map(int, item.split(":"))
         kernels.wq_matmul.SWAP_MAX_ROWS[bits] = rows
+    kernels.wq_matmul.GLUON = not args.no_gluon
+    if args.gluon_rows:
+        kernels.wq_matmul.GLUON_ROWS[4] = tuple(map(int, args.gluon_rows.split(":")))
     if args.one:
         Path(args.out).write_text(json.dumps(run_engine(args.one, args)))
         return
@@ -345,7 +403,9 @@ def main() -> None:
             kernels.wq_matmul.GEMV_ASM = False
         try:
             res["decode"] = bench_decode(res["ceilings"], args.decode_rows, args.sweep_gemv, args.swap_sweep,
-                                         args.shapes, args.paths)
+                                         args.shapes, args.paths, args.gluon_sweep,
+                                         [tuple(map(int, t.split(":"))) for t in args.gluon_tiles or []] or None,
+                                         tuple(args.gluon_inflight))
         finally:
             if args.out:
                 Path(args.out).write_text(json.dumps(res, indent=1))
@@ -357,6 +417,8 @@ def main() -> None:
                 cmd = [sys.executable, __file__, "--one", q, "--out", f.name, "--batches", *map(str, args.batches)]
                 if args.swap_max_rows:
                     cmd += ["--swap-max-rows", *args.swap_max_rows]
+                cmd += ["--no-gluon"] if args.no_gluon else []
+                cmd += ["--gluon-rows", args.gluon_rows] if args.gluon_rows else []
                 if subprocess.run(cmd).returncode == 0:
                     res["engine"][q] = json.loads(Path(f.name).read_text())
                 if args.out:  # what is done so far, in case a later config fails or times out

@@ -43,7 +43,8 @@ from __future__ import annotations
 
 import torch
 
-from kernels._triton import check_launchable, interpreting, jit, pdl_launch, tl, triton, wait_for_producer
+from kernels import wq_gluon
+from kernels._triton import _cuda_capability, check_launchable, interpreting, jit, pdl_launch, tl, triton, wait_for_producer
 from kernels.wquant import QuantizedWeight
 
 DECODE_MAX_ROWS = 16
@@ -713,15 +714,39 @@ def _gemv_words(weight: QuantizedWeight, k: int) -> torch.Tensor | None:
 # 11% in the engine (6,533 output tok/s against 7,358 with 128 here), so 128.
 GEMV_ROWS = {8: 1, 4: 2}
 SWAP_MAX_ROWS = {8: 128, 4: 64}
+# the Gluon kernel (kernels/wq_gluon.py: async wgmma chain, int4 on sm_90): the rows it takes
+# (first, last), by bits; GLUON = False turns it off
+GLUON = True
+GLUON_ROWS = {4: (3, 128)}
 
 
-def decode_path(weight: QuantizedWeight, rows: int, dtype: torch.dtype) -> str:
-    """Which kernel takes ``rows`` rows of x: "gemv", "swapped", "dequant" (the older decode
-    kernel, up to DECODE_MAX_ROWS) or "dense" (dequantize + cuBLAS); module docstring."""
+def _capability(device: torch.device) -> tuple[int, int] | None:
+    """A CUDA device's compute capability; None elsewhere."""
+    if device.type != "cuda":
+        return None
+    return _cuda_capability(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def _gluon_ok(weight: QuantizedWeight, rows: int, dtype: torch.dtype) -> bool:
+    """Whether the Gluon kernel takes this call: sm_90 (wgmma), bf16, int4 in groups of whole
+    128-column tiles (x's alignment for TMA is checked at the launch)."""
+    lo, hi = GLUON_ROWS.get(weight.bits, (1, 0))
+    if not (GLUON and wq_gluon.HAS_GLUON and lo <= rows <= hi and dtype == torch.bfloat16) or interpreting():
+        return False
+    return (_capability(weight.device) == (9, 0) and weight.scales.dtype == torch.bfloat16
+            and weight.group_size % wq_gluon.BLOCK_K == 0 and weight.shape[1] % wq_gluon.BLOCK_K == 0)
+
+
+def decode_path(weight: QuantizedWeight, rows: int, dtype: torch.dtype, gluon: bool = True) -> str:
+    """Which kernel takes ``rows`` rows of x: "gemv", "gluon" (kernels/wq_gluon.py), "swapped",
+    "dequant" (the older decode kernel, up to DECODE_MAX_ROWS) or "dense" (dequantize + cuBLAS);
+    module docstring."""
     k = weight.shape[1]
     # float32 activations stay on the tensor cores (the GEMV takes them exactly, but was not timed so)
     if rows <= GEMV_ROWS[weight.bits] and dtype != torch.float32 and _gemv_words(weight, k) is not None:
         return "gemv"
+    if gluon and _gluon_ok(weight, rows, dtype):
+        return "gluon"
     if rows <= SWAP_MAX_ROWS[weight.bits] and _swap_block_k(weight.group_size, k) is not None:
         return "swapped"
     return "dequant" if rows <= DECODE_MAX_ROWS else "dense"
@@ -730,9 +755,10 @@ def decode_path(weight: QuantizedWeight, rows: int, dtype: torch.dtype) -> str:
 def wq_matmul(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None = None,
               config: dict | None = None, path: str | None = None) -> torch.Tensor:
     """``F.linear(x, weight.dequantize(x.dtype), bias)``: x [M, K] -> [M, N]. ``path`` ("gemv",
-    "swapped", "dequant", "dense") and ``config`` (the kernel's tile: BLOCK_N and BLOCK_KW, SPLITS
-    for the GEMV; BLOCK_N, BLOCK_M, SPLIT_K, PERM, XSUM_DOT for the swapped kernel; BLOCK_M,
-    BLOCK_N, BLOCK_K for dequant; num_warps, num_stages) override the choice (sweeps, tests)."""
+    "gluon", "swapped", "dequant", "dense") and ``config`` (the kernel's tile: BLOCK_N and BLOCK_KW,
+    SPLITS for the GEMV; num_warps, BLOCK_M, STAGES, SPLIT_K for gluon; BLOCK_N, BLOCK_M, SPLIT_K,
+    PERM, XSUM_DOT for the swapped kernel; BLOCK_M, BLOCK_N, BLOCK_K for dequant; num_warps,
+    num_stages) override the choice (sweeps, tests)."""
     check_launchable(x, weight.qweight)
     m, k = x.shape
     n = weight.shape[0]
@@ -743,6 +769,13 @@ def wq_matmul(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | Non
         return out
     if path is None:
         path = decode_path(weight, m, x.dtype)
+        if path == "gluon" and not wq_gluon.gluon_fits(x, weight):  # x as TMA cannot read it
+            path = decode_path(weight, m, x.dtype, gluon=False)
+    if path == "gluon":
+        ws, cnt = _workspace(x.device, n, -(-n // 64) * -(-WORKSPACE_ROWS // 16))  # a counter a block
+        cfg = config or wq_gluon.tuned_config(x, weight, out, bias, ws, cnt, WORKSPACE_ROWS)
+        wq_gluon.wq_gluon(x, weight, out, bias, ws, cnt, cfg)
+        return out
     if path == "dense":  # cuBLAS on a transient dense copy (module docstring)
         return torch.nn.functional.linear(x, dequantize(weight, x.dtype), bias)
     g = weight.group_size

@@ -1,0 +1,338 @@
+"""W4A16 on Hopper in Gluon: out^T = W x^T with the weight as wgmma's register operand and the
+wgmma chain kept asynchronous across K tiles (kernels/wq_matmul.py's swapped kernel, in Triton,
+waits for every wgmma: Triton 3.6's tl.dot always waits for 0 outstanding).
+
+One K tile is 128 columns (one group, or inside one). Per tile, the weight tile [BLOCK_N, 128]
+and x's tile [BLOCK_M, 128] arrive by TMA in a STAGES-deep shared-memory ring (one mbarrier a
+stage); each warpgroup loads its 64 rows' words from shared memory, unpacks them to bf16 in
+registers as w = q s + b, and issues the tile's wgmma (m64 nBLOCK_M k16, x^T from shared memory)
+without waiting for it: the wait allows one wgmma group in flight, so tile t's MMA runs while
+tile t + 1 is unpacked, and the ring stage it read is refilled only after it is done.
+
+The unpacking is 15 instructions a word (8 weights): for s = 0..3, (w >> 4s) & 0x000F000F ORed
+with bf16 0x4300 (128.0) is the pair (128 + q_s, 128 + q_{s+4}) in one register (one LOP3, and a
+shift for s > 0), less 128 exactly (sub.bf16x2), times s plus b (fma.bf16x2: one rounding of
+q s + b, as the dense path's bf16 weight). For that pair to be what wgmma's A fragment holds in
+one register, the weight is repacked once (``repack_int4``): wgmma gives lane c of a quad, per 16
+columns, the columns 2c, 2c + 1, 2c + 8, 2c + 9 (two registers) of two rows 8 apart, so a
+thread's 32 columns of a row in a tile are stored as the 4 words 4c..4c + 3 of the row's 16, word
+4c + i's nibble s + 4e holding column 32 i + 8 s + 2 c + e (``INT4_TILE_ORDER``). x keeps its
+natural order, so TMA stages it as it lies. Scales and biases go in one int32 a group (``pack_scales``:
+bf16 s low, b high).
+
+The repacked words are kept beside the weight (``gluon_weight``: a cache keyed by the packed
+tensor, built at first use, i.e. the engine's warm-up): int4 qweight's bytes twice on the GPU.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+
+from kernels._triton import triton
+from kernels.wquant import QuantizedWeight, unpack_int4
+
+try:
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
+                                                                  warpgroup_mma_wait)
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+except ImportError:  # no Triton, or one without Gluon
+    gluon = gl = None
+
+HAS_GLUON = gluon is not None
+BLOCK_K = 128  # columns a tile: 16 int32 words of a row
+WORDS = BLOCK_K // 8
+_BK = gl.constexpr(BLOCK_K) if gl else BLOCK_K  # the kernels' names for them
+_WORDS = gl.constexpr(WORDS) if gl else WORDS
+
+
+def _tile_order() -> torch.Tensor:
+    """The column (0..127 of a tile) each nibble of a repacked row's tile holds: nibble 8 u + n
+    of the tile's 16 words, u = 4 c + i, n = s + 4 e, holds column 32 i + 8 s + 2 c + e."""
+    order = torch.empty(BLOCK_K, dtype=torch.long)
+    for c in range(4):
+        for i in range(4):
+            for s in range(4):
+                for e in range(2):
+                    order[8 * (4 * c + i) + s + 4 * e] = 32 * i + 8 * s + 2 * c + e
+    return order
+
+
+INT4_TILE_ORDER = _tile_order()
+
+
+def repack_int4(qweight: torch.Tensor) -> torch.Tensor:
+    """[N, K // 2] packed nibbles (kernels/wquant.py's order) -> [N, K // 8] int32 words in
+    INT4_TILE_ORDER per 128 columns; K a multiple of 128."""
+    n, k = qweight.shape[0], qweight.shape[1] * 2
+    assert k % BLOCK_K == 0, k
+    q = unpack_int4(qweight).view(n, k // BLOCK_K, BLOCK_K)
+    q = q[:, :, INT4_TILE_ORDER.to(q.device)].reshape(n, k)
+    packed = q[:, 0::2] | (q[:, 1::2] << 4)  # nibble 2j low, 2j + 1 high: byte j of the words
+    return packed.contiguous().view(torch.int32)
+
+
+def pack_scales(scales: torch.Tensor, biases: torch.Tensor) -> torch.Tensor:
+    """bf16 scales and biases [N, G] -> int32 [N, G]: s in the low half, b in the high."""
+    s = scales.to(torch.bfloat16).contiguous().view(torch.int16).to(torch.int32) & 0xFFFF
+    b = biases.to(torch.bfloat16).contiguous().view(torch.int16).to(torch.int32)
+    return s | (b << 16)
+
+
+def dequantize_repacked(words: torch.Tensor, sb: torch.Tensor, group: int) -> torch.Tensor:
+    """The float32 weight [N, K] that ``words`` and ``sb`` stand for (the tests' reference)."""
+    n, k = words.shape[0], words.shape[1] * 8
+    q = unpack_int4(words.view(torch.uint8).view(n, k // 2)).view(n, k // BLOCK_K, BLOCK_K)
+    natural = torch.empty_like(q)
+    natural[:, :, INT4_TILE_ORDER.to(q.device)] = q
+    s = (sb << 16).view(torch.float32)
+    b = (sb & -65536).view(torch.float32)
+    per = group // BLOCK_K if group >= BLOCK_K else None
+    assert per, "tiles lie in one group"
+    s, b = s.repeat_interleave(per, 1), b.repeat_interleave(per, 1)
+    return (natural.float() * s[:, :, None] + b[:, :, None]).view(n, k)
+
+
+if HAS_GLUON:
+    # sb (s low, b high) -> (s, s) and (b, b) as bf16x2: once a row and tile
+    _SPLIT_SB = gl.constexpr("prmt.b32 $0, $2, $2, 0x1010; prmt.b32 $1, $2, $2, 0x3232;")
+    # a word's 8 nibbles -> 4 bf16x2 registers (q s + b) of pairs (s, s + 4)
+    _UNPACK = gl.constexpr("""{
+    .reg .b32 t, m;
+    mov.b32 m, 0x43004300;
+    lop3.b32 t, $4, 0x000F000F, 0x43004300, 0xEA;
+    sub.rn.bf16x2 t, t, m;
+    fma.rn.bf16x2 $0, t, $5, $6;
+    shr.u32 t, $4, 4;
+    lop3.b32 t, t, 0x000F000F, 0x43004300, 0xEA;
+    sub.rn.bf16x2 t, t, m;
+    fma.rn.bf16x2 $1, t, $5, $6;
+    shr.u32 t, $4, 8;
+    lop3.b32 t, t, 0x000F000F, 0x43004300, 0xEA;
+    sub.rn.bf16x2 t, t, m;
+    fma.rn.bf16x2 $2, t, $5, $6;
+    shr.u32 t, $4, 12;
+    lop3.b32 t, t, 0x000F000F, 0x43004300, 0xEA;
+    sub.rn.bf16x2 t, t, m;
+    fma.rn.bf16x2 $3, t, $5, $6;
+    }""")
+
+    @gluon.constexpr_function
+    def _words_layout(block_n):
+        """[block_n, 16] int32 words: a thread holds words 4c..4c + 3 of rows r and r + 8 of its
+        warp's 16, the rows of wgmma's A fragment (c: the lane in its quad)."""
+        warps = [[16 << i, 0] for i in range((block_n // 16).bit_length() - 1)]
+        return gl.DistributedLinearLayout(reg_bases=[[0, 1], [0, 2], [8, 0]],
+                                          lane_bases=[[0, 4], [0, 8], [1, 0], [2, 0], [4, 0]],
+                                          warp_bases=warps, block_bases=[], shape=[block_n, _WORDS])
+
+    @gluon.jit
+    def _unpack_tile(w, sb, a_layout: gl.constexpr, BLOCK_N: gl.constexpr):
+        """Words [BLOCK_N, 16] and their rows' (s, b) -> the tile [BLOCK_N, 128] bf16 in a_layout."""
+        s2, b2 = gl.inline_asm_elementwise(_SPLIT_SB, "=r,=r,r", [sb], dtype=(gl.int32, gl.int32), is_pure=True,
+                                           pack=1)
+        s2 = gl.expand_dims(s2, 1)
+        b2 = gl.expand_dims(b2, 1)
+        r0, r1, r2, r3 = gl.inline_asm_elementwise(_UNPACK, "=r,=r,=r,=r,r,r,r", [w, s2, b2],
+                                                   dtype=(gl.int32, gl.int32, gl.int32, gl.int32), is_pure=True,
+                                                   pack=1)
+        # [n, u] with u = 4 c + i, pairs s = 2 s1 + s0, halves e -> column 32 i + 16 s1 + 8 s0 + 2 c + e
+        t = gl.join(gl.join(r0, r1), gl.join(r2, r3))  # [n, u, s0, s1]
+        t = gl.join(t.to(gl.int16), (t >> 16).to(gl.int16))  # [n, u, s0, s1, e]
+        t = t.reshape([BLOCK_N, 4, 4, 2, 2, 2])  # [n, c, i, s0, s1, e]
+        t = t.permute([0, 2, 4, 3, 1, 5])  # [n, i, s1, s0, c, e]
+        t = t.reshape([BLOCK_N, _BK]).to(gl.bfloat16, bitcast=True)
+        return gl.convert_layout(t, a_layout, assert_trivial=True)
+
+    @gluon.jit
+    def _wq_gluon_kernel(x_desc, w_desc, sb_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K, stride_sb, stride_om,
+                         GROUP: gl.constexpr, HAS_BIAS: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr,
+                         STAGES: gl.constexpr, SPLIT_K: gl.constexpr, num_warps: gl.constexpr,
+                         INFLIGHT: gl.constexpr = 1):
+        """Program (i, j, s) owns out[j BLOCK_M:, i BLOCK_N:] over split s of K's tiles (the host
+        makes the splits equal). BLOCK_N = 16 num_warps: a warpgroup a 64 rows. INFLIGHT: wgmma
+        groups left in flight at each tile's wait (1; 0 waits for each tile's, as tl.dot does)."""
+        mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                      instr_shape=[16, BLOCK_M, 16])
+        a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
+        w_layout: gl.constexpr = _words_layout(BLOCK_N)
+        row_layout: gl.constexpr = gl.SliceLayout(1, w_layout)
+        pid_n = gl.program_id(0)
+        pid_m = gl.program_id(1)
+        tiles = K // _BK // SPLIT_K
+        gl.assume(tiles > 0)  # no zero-trip path: ptxas serialized the wgmmas over its code after the loop
+        t0 = gl.program_id(2) * tiles
+        off_n = pid_n * BLOCK_N
+        off_m = pid_m * BLOCK_M
+
+        x_smem = gl.allocate_shared_memory(x_desc.dtype, [STAGES, BLOCK_M, _BK], x_desc.layout)
+        w_smem = gl.allocate_shared_memory(w_desc.dtype, [STAGES, BLOCK_N, _WORDS], w_desc.layout)
+        bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(STAGES):
+            mbarrier.init(bars.index(i), count=1)
+        fence_async_shared()
+        nbytes: gl.constexpr = x_desc.block_type.nbytes + w_desc.block_type.nbytes
+        for i in gl.static_range(STAGES - 1):
+            pred = i < tiles
+            mbarrier.expect(bars.index(i), nbytes, pred=pred)
+            tma.async_copy_global_to_shared(x_desc, [off_m, (t0 + i) * _BK], bars.index(i), x_smem.index(i), pred)
+            tma.async_copy_global_to_shared(w_desc, [off_n, (t0 + i) * _WORDS], bars.index(i), w_smem.index(i), pred)
+
+        rows = gl.minimum(off_n + gl.arange(0, BLOCK_N, layout=row_layout), N - 1)  # edge rows re-read row N - 1
+        sb_ptrs = sb_ptr + rows.to(gl.int64) * stride_sb
+        TPG: gl.constexpr = GROUP // _BK  # tiles a group
+        sb = gl.load(sb_ptrs + t0 // TPG)
+        acc = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, mma)
+        for i in range(tiles):
+            stage = i % STAGES
+            sb_next = gl.load(sb_ptrs + (t0 + gl.minimum(i + 1, tiles - 1)) // TPG)
+            mbarrier.wait(bars.index(stage), (i // STAGES) & 1)
+            a = _unpack_tile(w_smem.index(stage).load(w_layout), sb, a_layout, BLOCK_N)
+            acc = warpgroup_mma(a, x_smem.index(stage).permute((1, 0)), acc, is_async=True)
+            acc = warpgroup_mma_wait(num_outstanding=INFLIGHT, deps=(acc, ))  # 0: the A/B without overlap
+            # tile i - 1's wgmma is done in this warpgroup; the barrier makes it every warpgroup's
+            # (and every warp's reads of its words) before its stage is refilled
+            gl.thread_barrier()
+            nxt = i + STAGES - 1
+            ns = nxt % STAGES
+            pred = nxt < tiles
+            mbarrier.expect(bars.index(ns), nbytes, pred=pred)
+            tma.async_copy_global_to_shared(x_desc, [off_m, (t0 + nxt) * _BK], bars.index(ns), x_smem.index(ns),
+                                            pred)
+            tma.async_copy_global_to_shared(w_desc, [off_n, (t0 + nxt) * _WORDS], bars.index(ns), w_smem.index(ns),
+                                            pred)
+            sb = sb_next
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+        for i in gl.static_range(STAGES):
+            mbarrier.invalidate(bars.index(i))
+
+        offs_n = off_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, mma))
+        offs_m = off_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, mma))
+        mask = gl.expand_dims(offs_n < N, 1) & gl.expand_dims(offs_m < M, 0)
+        out_ptrs = out_ptr + gl.expand_dims(offs_m, 0) * stride_om + gl.expand_dims(offs_n, 1)
+        if SPLIT_K > 1:  # the splits add into ws (fp32 [M, N], zero); the last to count in stores and re-zeroes
+            ws_ptrs = ws_ptr + gl.expand_dims(offs_m, 0) * N + gl.expand_dims(offs_n, 1)
+            gl.atomic_add(ws_ptrs, acc, mask=mask, sem="relaxed")
+            gl.thread_barrier()  # every thread's adds issued before the count (released by the atomic)
+            tile = pid_m * gl.num_programs(0) + pid_n
+            if gl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel") == SPLIT_K - 1:
+                acc = gl.atomic_xchg(ws_ptrs, gl.zeros_like(acc), mask=mask, sem="relaxed")
+                if HAS_BIAS:
+                    acc += gl.expand_dims(gl.load(bias_ptr + gl.minimum(offs_n, N - 1)).to(gl.float32), 1)
+                gl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+                gl.atomic_xchg(cnt_ptr + tile, 0, sem="relaxed")
+        else:
+            if HAS_BIAS:
+                acc += gl.expand_dims(gl.load(bias_ptr + gl.minimum(offs_n, N - 1)).to(gl.float32), 1)
+            gl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+# (num_warps, BLOCK_M, STAGES): BLOCK_N is 16 num_warps (64 rows a warpgroup); each with the K
+# splits below where the rows fit the split workspace (the engine's rows up to 64). BLOCK_M 128
+# with 3 stages gave wrong outputs on an H200 (every shape, 4 and 8 warps; 2 stages right): not
+# listed until understood
+GLUON_TILES = [(4, 16, 4), (4, 16, 6), (8, 16, 4), (4, 32, 4), (8, 32, 4), (4, 64, 4), (8, 64, 3), (8, 64, 4),
+               (4, 128, 2), (8, 128, 2), (4, 256, 2), (8, 256, 2)]
+GLUON_SPLITS = (1, 2, 4, 8)
+
+
+def rows_block(m: int) -> int:
+    """The BLOCK_M bucket of ``m`` rows: the power of two from 16 to 256."""
+    return min(256, max(16, 1 << (m - 1).bit_length()))
+
+
+def gluon_configs(m: int, n: int, k: int, split_rows: int, tiles: list[tuple] | None = None) -> list[dict]:
+    """The tiles (GLUON_TILES, or ``tiles``) worth timing for ``m`` rows: BLOCK_M at the rows'
+    bucket or half of it (from 16), K splits that divide the tiles evenly while the blocks are few
+    (~4 waves of 132 SMs)."""
+    bucket = rows_block(m)
+    out = []
+    for warps, bm, stages in tiles or GLUON_TILES:
+        if bm not in (bucket, max(16, bucket // 2)):
+            continue
+        blocks = -(-n // (16 * warps)) * -(-m // bm)
+        for split in GLUON_SPLITS:
+            if split > 1 and (m > split_rows or (k // BLOCK_K) % split or k // BLOCK_K < 2 * split
+                              or blocks * split > 528):
+                continue
+            out.append(dict(num_warps=warps, BLOCK_M=bm, STAGES=stages, SPLIT_K=split))
+    return out
+
+
+_repacked: dict[tuple, tuple] = {}
+
+
+def gluon_weight(weight: QuantizedWeight) -> tuple[torch.Tensor, torch.Tensor]:
+    """``weight``'s repacked words and packed scales, built at first use and kept while its
+    qweight lives (the model's buffers: the same tensor each call)."""
+    q = weight.qweight
+    key = (q.data_ptr(), tuple(q.shape), weight.scales.data_ptr())
+    hit = _repacked.get(key)
+    if hit is not None and hit[0]() is q:
+        return hit[1], hit[2]
+    assert not torch.cuda.is_current_stream_capturing(), "wq_gluon: a weight first met inside CUDA-graph capture"
+    words = repack_int4(q)
+    sb = pack_scales(weight.scales, weight.biases)
+    _repacked[key] = (weakref.ref(q), words, sb)
+    return words, sb
+
+
+def gluon_fits(x: torch.Tensor, weight: QuantizedWeight) -> bool:
+    """Whether the kernel takes this call: Gluon on an sm_90 GPU, bf16 x and scales, int4 in
+    groups of whole tiles, and x as TMA reads it (rows 16-byte aligned)."""
+    if not (HAS_GLUON and x.is_cuda and x.dtype == torch.bfloat16 and weight.bits == 4):
+        return False
+    if torch.cuda.get_device_capability(x.device) != (9, 0) or weight.scales.dtype != torch.bfloat16:
+        return False
+    k = x.shape[1]
+    return (weight.group_size % BLOCK_K == 0 and k % BLOCK_K == 0 and x.stride(1) == 1
+            and x.stride(0) % 8 == 0 and x.data_ptr() % 16 == 0)
+
+
+_descs: dict[tuple, object] = {}
+
+
+def wq_gluon(x: torch.Tensor, weight: QuantizedWeight, out: torch.Tensor, bias: torch.Tensor | None,
+             ws: torch.Tensor, cnt: torch.Tensor, config: dict) -> None:
+    """out = x @ W^T (+ bias) through the kernel at ``config`` (gluon_configs' dicts); ws, cnt:
+    kernels/wq_matmul.py's split workspace (zero), for SPLIT_K > 1."""
+    (m, k), n = x.shape, weight.shape[0]
+    words, sb = gluon_weight(weight)
+    bm, warps, split = config["BLOCK_M"], config["num_warps"], config["SPLIT_K"]
+    bn = 16 * warps
+    x_layout = gl.NVMMASharedLayout.get_default_for([bm, BLOCK_K], gl.bfloat16)
+    x_desc = TensorDescriptor(x, [m, k], [x.stride(0), 1], [bm, BLOCK_K], x_layout)
+    key = (words.data_ptr(), bn)
+    w_desc = _descs.get(key)
+    if w_desc is None or w_desc.base is not words:
+        w_layout = gl.NVMMASharedLayout.get_default_for([bn, WORDS], gl.int32)
+        w_desc = _descs[key] = TensorDescriptor(words, list(words.shape), [words.stride(0), 1], [bn, WORDS], w_layout)
+    grid = (triton.cdiv(n, bn), triton.cdiv(m, bm), split)
+    _wq_gluon_kernel[grid](x_desc, w_desc, sb, out if bias is None else bias, out, ws, cnt, m, n, k, sb.stride(0),
+                           out.stride(0), GROUP=weight.group_size, HAS_BIAS=bias is not None, BLOCK_N=bn,
+                           BLOCK_M=bm, STAGES=config["STAGES"], SPLIT_K=split, num_warps=warps,
+                           INFLIGHT=config.get("INFLIGHT", 1))
+
+
+_tuned: dict[tuple, dict] = {}
+
+
+def tuned_config(x: torch.Tensor, weight: QuantizedWeight, out: torch.Tensor, bias: torch.Tensor | None,
+                 ws: torch.Tensor, cnt: torch.Tensor, split_rows: int) -> dict:
+    """The fastest of gluon_configs for this shape and rows bucket, timed at first use (warm-up,
+    before CUDA-graph capture) on the call's own tensors."""
+    (m, k), n = x.shape, weight.shape[0]
+    key = (n, k, weight.group_size, rows_block(m), bias is not None)
+    cfg = _tuned.get(key)
+    if cfg is None:
+        assert not torch.cuda.is_current_stream_capturing(), "wq_gluon: a shape first met inside CUDA-graph capture"
+        timed = []
+        for c in gluon_configs(m, n, k, split_rows):
+            ms = triton.testing.do_bench(lambda c=c: wq_gluon(x, weight, out, bias, ws, cnt, c), warmup=5, rep=25,
+                                         return_mode="median")
+            timed.append((ms, len(timed), c))
+        cfg = _tuned[key] = min(timed)[2]
+    return cfg

@@ -1,0 +1,134 @@
+"""The Gluon W4A16 kernel's CPU-checkable parts (kernels/wq_gluon.py): the repacked layout and the
+tile the kernel assembles from it, its routing in kernels/wq_matmul.py, and its sm_90 lowering
+(an asynchronous wgmma chain that ptxas does not serialize). The kernel itself needs an H100 /
+H200: benchmarks/quant_gpu.py --parts decode checks it there (rel_err)."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from kernels import wq_gluon, wq_matmul
+from kernels.wquant import QuantizedWeight, quantize, unpack_int4
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _weight(n=32, k=256, group=128) -> QuantizedWeight:
+    w = quantize(torch.randn(n, k), 4, group)
+    w.scales, w.biases = w.scales.bfloat16(), w.biases.bfloat16()
+    return w
+
+
+def test_repacked_words_hold_the_same_weight():
+    w = _weight(k=512, group=256)
+    words = wq_gluon.repack_int4(w.qweight)
+    assert words.dtype == torch.int32 and words.shape == (32, 64)
+    got = wq_gluon.dequantize_repacked(words, wq_gluon.pack_scales(w.scales, w.biases), 256)
+    torch.testing.assert_close(got, w.dequantize(), rtol=0, atol=0)
+    assert sorted(wq_gluon.INT4_TILE_ORDER.tolist()) == list(range(128))
+
+
+def test_the_kernels_tile_is_the_weight_in_natural_column_order():
+    """What _unpack_tile computes, in torch: per word, (w >> 4s) & 0x000F000F is the nibble pair
+    (s, s + 4), then q s + b rounded once to bf16, then the joins, permute and reshape; the
+    result is the dequantized weight's tile, columns in their own order, as x is staged."""
+    w = _weight(n=16, k=128)
+    words = wq_gluon.repack_int4(w.qweight).long() & 0xFFFFFFFF  # [16, 16]
+    s, b = w.scales.float()[:, :1], w.biases.float()[:, :1]  # [16, 1]
+    halves = []
+    for shift in range(4):
+        r = (words >> (4 * shift)) & 0x000F000F
+        pair = torch.stack((r & 0xF, r >> 16), dim=-1).double()  # [n, u, e]
+        halves.append((pair * s[:, :, None].double() + b[:, :, None].double()).to(torch.bfloat16))
+    t = torch.stack((torch.stack(halves[:2], -2), torch.stack(halves[2:], -2)), -2)  # [n, u, s0, s1, e]
+    t = t.reshape(16, 4, 4, 2, 2, 2).permute(0, 2, 4, 3, 1, 5).reshape(16, 128)
+    torch.testing.assert_close(t, w.dequantize(torch.bfloat16), rtol=0, atol=0)
+
+
+def test_pack_scales_puts_s_low_and_b_high():
+    s, b = torch.tensor([[1.5, -2.0]]).bfloat16(), torch.tensor([[0.25, 3.0]]).bfloat16()
+    sb = wq_gluon.pack_scales(s, b)
+    assert torch.equal((sb << 16).view(torch.float32), s.float())
+    assert torch.equal((sb & -65536).view(torch.float32), b.float())
+
+
+def test_routing_takes_the_kernel_only_where_it_can_run(monkeypatch):
+    w = _weight(k=256)
+    assert wq_matmul.decode_path(w, 16, torch.bfloat16) != "gluon"  # CPU weights: never
+    monkeypatch.setattr(wq_matmul, "_capability", lambda device: (9, 0))
+    monkeypatch.setattr(wq_matmul, "interpreting", lambda: False)
+    if not wq_gluon.HAS_GLUON:
+        assert wq_matmul.decode_path(w, 16, torch.bfloat16) != "gluon"
+        return
+    lo, hi = wq_matmul.GLUON_ROWS[4]
+    assert wq_matmul.decode_path(w, lo, torch.bfloat16) == "gluon"
+    assert wq_matmul.decode_path(w, hi, torch.bfloat16) == "gluon"
+    assert wq_matmul.decode_path(w, hi + 1, torch.bfloat16) != "gluon"
+    assert wq_matmul.decode_path(w, 1, torch.bfloat16) == "gemv"
+    assert wq_matmul.decode_path(w, 16, torch.float16) != "gluon"  # the unpacking is bf16's
+    assert wq_matmul.decode_path(w, 16, torch.bfloat16, gluon=False) != "gluon"
+    assert wq_matmul.decode_path(_weight(k=256, group=64), 16, torch.bfloat16) != "gluon"  # a tile in one group
+    w8 = quantize(torch.randn(32, 256), 8, 128)
+    w8.scales = w8.scales.bfloat16()
+    assert wq_matmul.decode_path(w8, 16, torch.bfloat16) != "gluon"
+    monkeypatch.setattr(wq_matmul, "_capability", lambda device: (10, 0))
+    assert wq_matmul.decode_path(w, 16, torch.bfloat16) != "gluon"
+    monkeypatch.setattr(wq_matmul, "_capability", lambda device: (9, 0))
+    monkeypatch.setattr(wq_matmul, "GLUON", False)
+    assert wq_matmul.decode_path(w, 16, torch.bfloat16) != "gluon"
+
+
+def test_configs_split_only_evenly_and_within_the_workspace():
+    for m in (3, 16, 64, 128, 256):
+        for cfg in wq_gluon.gluon_configs(m, 4096, 14336, 64):
+            assert cfg["BLOCK_M"] in (wq_gluon.rows_block(m), max(16, wq_gluon.rows_block(m) // 2))
+            if cfg["SPLIT_K"] > 1:
+                assert m <= 64 and (14336 // 128) % cfg["SPLIT_K"] == 0
+
+
+CHECK = r'''
+import re, subprocess, os
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon._runtime import GluonASTSource
+from kernels import wq_gluon
+
+bin_dir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+for warps, bm, stages, split in ((4, 16, 4, 2), (8, 128, 3, 1)):
+    bn = 16 * warps
+    xl = gl.NVMMASharedLayout.get_default_for([bm, 128], gl.bfloat16)
+    wl = gl.NVMMASharedLayout.get_default_for([bn, 16], gl.int32)
+    sig = {"x_desc": f"tensordesc<bf16[{bm}, 128],{xl!r}>", "w_desc": f"tensordesc<i32[{bn}, 16],{wl!r}>",
+           "sb_ptr": "*i32", "bias_ptr": "*bf16", "out_ptr": "*bf16", "ws_ptr": "*fp32", "cnt_ptr": "*i32",
+           "M": "i32", "N": "i32", "K": "i32", "stride_sb": "i32", "stride_om": "i32"}
+    cst = dict(GROUP=128, HAS_BIAS=False, BLOCK_N=bn, BLOCK_M=bm, STAGES=stages, SPLIT_K=split, num_warps=warps,
+               INFLIGHT=1)
+    sig.update({k: "constexpr" for k in cst})
+    kernel = triton.compile(GluonASTSource(wq_gluon._wq_gluon_kernel, sig, cst), target=GPUTarget("cuda", 90, 32),
+                            options={"num_warps": warps})
+    label = f"{warps} warps, {bm} rows, {stages} stages, split {split}"
+    ttgir, ptx = kernel.asm["ttgir"], kernel.asm["ptx"]
+    assert "isAsync = true" in ttgir and "pendings = 1" in ttgir, label + ": no asynchronous wgmma"
+    assert "wgmma.wait_group.sync.aligned 1;" in ptx, label
+    with open("/tmp/wq_gluon_check.ptx", "w") as f:
+        f.write(ptx)
+    log = subprocess.run([os.path.join(bin_dir, "ptxas"), "-v", "--gpu-name", "sm_90a", "/tmp/wq_gluon_check.ptx",
+                          "-o", "/tmp/wq_gluon_check.cubin"], capture_output=True, text=True).stderr
+    assert "serialized" not in log, label + ": " + log
+    spill = re.search(r"(\d+) bytes spill stores", log)
+    assert spill and spill.group(1) == "0", label + ": " + log
+    print("ok", label)
+'''
+
+
+def test_gluon_kernel_lowers_to_an_asynchronous_wgmma_chain():
+    pytest.importorskip("triton.experimental.gluon", reason="no Gluon in this Triton")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, "-c", CHECK], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
