@@ -148,12 +148,35 @@ if HAS_GLUON:
         return gl.convert_layout(t, a_layout, assert_trivial=True)
 
     @gluon.jit
+    def _tile(i, t0, tiles, acc, sb, sb_ptrs, x_desc, w_desc, x_smem, w_smem, bars, off_m, off_n,
+              a_layout: gl.constexpr, w_layout: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+              TPG: gl.constexpr, INFLIGHT: gl.constexpr):
+        """Tile i of the program's split: its wgmma issued, tile i - 1's retired (INFLIGHT 1), and
+        tile i - 1's stage refilled with tile i + STAGES - 1. Returns acc and tile i + 1's (s, b)."""
+        stage = i % STAGES
+        sb_next = gl.load(sb_ptrs + (t0 + gl.minimum(i + 1, tiles - 1)) // TPG)  # a tile ahead: its latency hidden
+        mbarrier.wait(bars.index(stage), (i // STAGES) & 1)
+        a = _unpack_tile(w_smem.index(stage).load(w_layout), sb, a_layout, BLOCK_N)
+        acc = warpgroup_mma(a, x_smem.index(stage).permute((1, 0)), acc, is_async=True)
+        acc = warpgroup_mma_wait(num_outstanding=INFLIGHT, deps=(acc, ))  # 0: the A/B without overlap
+        # tile i - 1's wgmma is done in this warpgroup; the barrier makes it every warpgroup's (and
+        # every warp's reads of its words) before its stage is refilled
+        gl.thread_barrier()
+        nxt = i + STAGES - 1
+        ns = nxt % STAGES
+        pred = nxt < tiles
+        mbarrier.expect(bars.index(ns), x_desc.block_type.nbytes + w_desc.block_type.nbytes, pred=pred)
+        tma.async_copy_global_to_shared(x_desc, [off_m, (t0 + nxt) * _BK], bars.index(ns), x_smem.index(ns), pred)
+        tma.async_copy_global_to_shared(w_desc, [off_n, (t0 + nxt) * _WORDS], bars.index(ns), w_smem.index(ns), pred)
+        return acc, sb_next
+
+    @gluon.jit
     def _wq_gluon_kernel(x_desc, w_desc, sb_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K, stride_sb, stride_om,
                          GROUP: gl.constexpr, HAS_BIAS: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr,
                          STAGES: gl.constexpr, SPLIT_K: gl.constexpr, num_warps: gl.constexpr,
                          INFLIGHT: gl.constexpr = 1):
         """Program (i, j, s) owns out[j BLOCK_M:, i BLOCK_N:] over split s of K's tiles (the host
-        makes the splits equal). BLOCK_N = 16 num_warps: a warpgroup a 64 rows. INFLIGHT: wgmma
+        makes the splits equal, of an even number of tiles). BLOCK_N = 16 num_warps: a warpgroup a 64 rows. INFLIGHT: wgmma
         groups left in flight at each tile's wait (1; 0 waits for each tile's, as tl.dot does)."""
         mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                                       instr_shape=[16, BLOCK_M, 16])
@@ -163,7 +186,7 @@ if HAS_GLUON:
         pid_n = gl.program_id(0)
         pid_m = gl.program_id(1)
         tiles = K // _BK // SPLIT_K
-        gl.assume(tiles > 0)  # no zero-trip path: ptxas serialized the wgmmas over its code after the loop
+        gl.assume(tiles >= 2)  # no zero-trip path: ptxas serialized the wgmmas over its code after the loop
         t0 = gl.program_id(2) * tiles
         off_n = pid_n * BLOCK_N
         off_m = pid_m * BLOCK_M
@@ -186,25 +209,14 @@ if HAS_GLUON:
         TPG: gl.constexpr = GROUP // _BK  # tiles a group
         sb = gl.load(sb_ptrs + t0 // TPG)
         acc = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, mma)
-        for i in range(tiles):
-            stage = i % STAGES
-            sb_next = gl.load(sb_ptrs + (t0 + gl.minimum(i + 1, tiles - 1)) // TPG)
-            mbarrier.wait(bars.index(stage), (i // STAGES) & 1)
-            a = _unpack_tile(w_smem.index(stage).load(w_layout), sb, a_layout, BLOCK_N)
-            acc = warpgroup_mma(a, x_smem.index(stage).permute((1, 0)), acc, is_async=True)
-            acc = warpgroup_mma_wait(num_outstanding=INFLIGHT, deps=(acc, ))  # 0: the A/B without overlap
-            # tile i - 1's wgmma is done in this warpgroup; the barrier makes it every warpgroup's
-            # (and every warp's reads of its words) before its stage is refilled
-            gl.thread_barrier()
-            nxt = i + STAGES - 1
-            ns = nxt % STAGES
-            pred = nxt < tiles
-            mbarrier.expect(bars.index(ns), nbytes, pred=pred)
-            tma.async_copy_global_to_shared(x_desc, [off_m, (t0 + nxt) * _BK], bars.index(ns), x_smem.index(ns),
-                                            pred)
-            tma.async_copy_global_to_shared(w_desc, [off_n, (t0 + nxt) * _WORDS], bars.index(ns), w_smem.index(ns),
-                                            pred)
-            sb = sb_next
+        # two tiles an iteration: a wgmma reads its A registers until it completes, so the tile
+        # unpacked while it runs must go to other registers (one loop body for each tile: the
+        # next iteration rewrites a tile's registers after the wait that retired its wgmma)
+        for j in range(tiles // 2):
+            acc, sb = _tile(2 * j, t0, tiles, acc, sb, sb_ptrs, x_desc, w_desc, x_smem, w_smem, bars, off_m, off_n,
+                            a_layout, w_layout, BLOCK_N, STAGES, TPG, INFLIGHT)
+            acc, sb = _tile(2 * j + 1, t0, tiles, acc, sb, sb_ptrs, x_desc, w_desc, x_smem, w_smem, bars, off_m,
+                            off_n, a_layout, w_layout, BLOCK_N, STAGES, TPG, INFLIGHT)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
         for i in gl.static_range(STAGES):
             mbarrier.invalidate(bars.index(i))
@@ -231,11 +243,9 @@ if HAS_GLUON:
 
 
 # (num_warps, BLOCK_M, STAGES): BLOCK_N is 16 num_warps (64 rows a warpgroup); each with the K
-# splits below where the rows fit the split workspace (the engine's rows up to 64). BLOCK_M 128
-# with 3 stages gave wrong outputs on an H200 (every shape, 4 and 8 warps; 2 stages right): not
-# listed until understood
+# splits below where the rows fit the split workspace (the engine's rows up to 64)
 GLUON_TILES = [(4, 16, 4), (4, 16, 6), (8, 16, 4), (4, 32, 4), (8, 32, 4), (4, 64, 4), (8, 64, 3), (8, 64, 4),
-               (4, 128, 2), (8, 128, 2), (4, 256, 2), (8, 256, 2)]
+               (4, 128, 2), (4, 128, 3), (4, 128, 4), (8, 128, 3), (4, 256, 2), (8, 256, 2)]
 GLUON_SPLITS = (1, 2, 4, 8)
 
 
@@ -246,8 +256,8 @@ def rows_block(m: int) -> int:
 
 def gluon_configs(m: int, n: int, k: int, split_rows: int, tiles: list[tuple] | None = None) -> list[dict]:
     """The tiles (GLUON_TILES, or ``tiles``) worth timing for ``m`` rows: BLOCK_M at the rows'
-    bucket or half of it (from 16), K splits that divide the tiles evenly while the blocks are few
-    (~4 waves of 132 SMs)."""
+    bucket or half of it (from 16), K splits into equal, even numbers of tiles while the blocks are
+    few (~4 waves of 132 SMs). K must be an even number of tiles (gluon_fits)."""
     bucket = rows_block(m)
     out = []
     for warps, bm, stages in tiles or GLUON_TILES:
@@ -255,8 +265,7 @@ def gluon_configs(m: int, n: int, k: int, split_rows: int, tiles: list[tuple] | 
             continue
         blocks = -(-n // (16 * warps)) * -(-m // bm)
         for split in GLUON_SPLITS:
-            if split > 1 and (m > split_rows or (k // BLOCK_K) % split or k // BLOCK_K < 2 * split
-                              or blocks * split > 528):
+            if split > 1 and (m > split_rows or (k // BLOCK_K) % (2 * split) or blocks * split > 528):
                 continue
             out.append(dict(num_warps=warps, BLOCK_M=bm, STAGES=stages, SPLIT_K=split))
     return out
@@ -282,13 +291,14 @@ def gluon_weight(weight: QuantizedWeight) -> tuple[torch.Tensor, torch.Tensor]:
 
 def gluon_fits(x: torch.Tensor, weight: QuantizedWeight) -> bool:
     """Whether the kernel takes this call: Gluon on an sm_90 GPU, bf16 x and scales, int4 in
-    groups of whole tiles, and x as TMA reads it (rows 16-byte aligned)."""
+    groups of whole tiles, an even number of tiles along K (two a loop iteration), and x as TMA
+    reads it (rows 16-byte aligned)."""
     if not (HAS_GLUON and x.is_cuda and x.dtype == torch.bfloat16 and weight.bits == 4):
         return False
     if torch.cuda.get_device_capability(x.device) != (9, 0) or weight.scales.dtype != torch.bfloat16:
         return False
     k = x.shape[1]
-    return (weight.group_size % BLOCK_K == 0 and k % BLOCK_K == 0 and x.stride(1) == 1
+    return (weight.group_size % BLOCK_K == 0 and k % (2 * BLOCK_K) == 0 and x.stride(1) == 1
             and x.stride(0) % 8 == 0 and x.data_ptr() % 16 == 0)
 
 

@@ -729,12 +729,12 @@ def _capability(device: torch.device) -> tuple[int, int] | None:
 
 def _gluon_ok(weight: QuantizedWeight, rows: int, dtype: torch.dtype) -> bool:
     """Whether the Gluon kernel takes this call: sm_90 (wgmma), bf16, int4 in groups of whole
-    128-column tiles (x's alignment for TMA is checked at the launch)."""
+    128-column tiles, an even number of them (x's alignment for TMA is checked at the launch)."""
     lo, hi = GLUON_ROWS.get(weight.bits, (1, 0))
     if not (GLUON and wq_gluon.HAS_GLUON and lo <= rows <= hi and dtype == torch.bfloat16) or interpreting():
         return False
     return (_capability(weight.device) == (9, 0) and weight.scales.dtype == torch.bfloat16
-            and weight.group_size % wq_gluon.BLOCK_K == 0 and weight.shape[1] % wq_gluon.BLOCK_K == 0)
+            and weight.group_size % wq_gluon.BLOCK_K == 0 and weight.shape[1] % (2 * wq_gluon.BLOCK_K) == 0)
 
 
 def decode_path(weight: QuantizedWeight, rows: int, dtype: torch.dtype, gluon: bool = True) -> str:

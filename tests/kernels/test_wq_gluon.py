@@ -1,6 +1,7 @@
 """The Gluon W4A16 kernel's CPU-checkable parts (kernels/wq_gluon.py): the repacked layout and the
 tile the kernel assembles from it, its routing in kernels/wq_matmul.py, and its sm_90 lowering
-(an asynchronous wgmma chain that ptxas does not serialize). The kernel itself needs an H100 /
+(an asynchronous wgmma chain that ptxas does not serialize, whose in-flight A registers nothing
+rewrites). The kernel itself needs an H100 /
 H200: benchmarks/quant_gpu.py --parts decode checks it there (rel_err)."""
 
 import os
@@ -92,6 +93,32 @@ def test_configs_split_only_evenly_and_within_the_workspace():
 
 CHECK = r'''
 import re, subprocess, os
+
+
+def inflight_writes(ptx):
+    """Writes to the A registers of a wgmma still in flight, over the main loop run twice (its
+    back edge): a wgmma reads them until the wait that retires it (the PTX ISA: undefined
+    otherwise), and ptxas does not catch a rewrite across the loop's back edge."""
+    head = re.search(r"^(\$L__BB\d+_\d+):.*Inner Loop Header", ptx, re.M)
+    body = ptx[head.end():]
+    body = body[:re.search(r"bra(\.uni)?\s+" + re.escape(head.group(1)) + ";", body).start()]
+    lines = [l.strip() for l in body.splitlines() if l.strip() and not l.strip().startswith("//")]
+    flying, pending, bad = [], set(), []
+    for line in lines * 2:
+        if line.startswith("wgmma.mma_async"):
+            pending |= set(re.findall(r"%r\d+", re.findall(r"\{([^}]*)\}", line)[1]))
+        elif line.startswith("wgmma.commit_group"):
+            flying, pending = flying + [pending], set()
+        elif line.startswith("wgmma.wait_group"):
+            n = int(re.search(r"aligned (\d+)", line).group(1))
+            flying = flying[len(flying) - n:] if n else []
+        else:
+            m = re.match(r"^(?:@%p\d+ )?[a-z][\w.:]*\s+(%r\d+)\b", line)
+            if m and any(m.group(1) in g for g in flying):
+                bad.append(line)
+    return bad
+
+
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.experimental.gluon import language as gl
@@ -99,7 +126,7 @@ from triton.experimental.gluon._runtime import GluonASTSource
 from kernels import wq_gluon
 
 bin_dir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
-for warps, bm, stages, split in ((4, 16, 4, 2), (8, 128, 3, 1)):
+for warps, bm, stages, split in ((4, 16, 4, 2), (4, 128, 3, 1), (8, 64, 4, 1)):
     bn = 16 * warps
     xl = gl.NVMMASharedLayout.get_default_for([bm, 128], gl.bfloat16)
     wl = gl.NVMMASharedLayout.get_default_for([bn, 16], gl.int32)
@@ -115,6 +142,7 @@ for warps, bm, stages, split in ((4, 16, 4, 2), (8, 128, 3, 1)):
     ttgir, ptx = kernel.asm["ttgir"], kernel.asm["ptx"]
     assert "isAsync = true" in ttgir and "pendings = 1" in ttgir, label + ": no asynchronous wgmma"
     assert "wgmma.wait_group.sync.aligned 1;" in ptx, label
+    assert not inflight_writes(ptx), label + ": " + str(inflight_writes(ptx)[:3])
     with open("/tmp/wq_gluon_check.ptx", "w") as f:
         f.write(ptx)
     log = subprocess.run([os.path.join(bin_dir, "ptxas"), "-v", "--gpu-name", "sm_90a", "/tmp/wq_gluon_check.ptx",
