@@ -4,7 +4,7 @@ with dummy:llama-3.1-8b quantized at load (bf16 vs int8 vs int4 in the same run)
     python benchmarks/quant_gpu.py --out quant.json [--configs none int8 int4] [--parts kernels engine]
         [--batches 1 8 16 64] [--sweep-prefill] [--decode-rows 1 2 4 8 16] [--sweep-gemv] [--gemv-tl-load]
         [--swap-sweep 16 64 512] [--shapes qkv_proj ...] [--swap-max-rows 8:128] [--paths swapped dense]
-        [--gluon-sweep 16 64] [--gluon-tiles 4:16:4 ...] [--gluon-inflight 0 1] [--no-gluon] [--gluon-rows 3:128]
+        [--gluon-sweep 16 64] [--gluon-tiles 64:4:16:4 ...] [--gluon-inflight 0 1] [--no-gluon] [--gluon-rows 3:128]
 
 kernels  each Llama-3.1-8B projection (and the LM head in int8) at 1, 8, 16, 64 and 512 rows:
          median time (triton.testing.do_bench) of bf16 (the engine's path: skinny matmul at 1 row,
@@ -361,7 +361,7 @@ def main() -> None:
                     help="decode part: the swapped kernel's tiles and switches at these rows")
     ap.add_argument("--gluon-sweep", type=int, nargs="*", default=[], metavar="ROWS",
                     help="decode part: kernels/wq_gluon.py's tiles and splits at these rows")
-    ap.add_argument("--gluon-tiles", nargs="+", metavar="WARPS:BLOCK_M:STAGES",
+    ap.add_argument("--gluon-tiles", nargs="+", metavar="BLOCK_N:WARPS:BLOCK_M:STAGES",
                     help="--gluon-sweep: these tiles, not kernels/wq_gluon.py's GLUON_TILES")
     ap.add_argument("--gluon-inflight", type=int, nargs="+", default=[1],
                     help="--gluon-sweep: wgmma groups left in flight (0: wait for each tile's, the A/B)")

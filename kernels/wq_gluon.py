@@ -121,11 +121,13 @@ if HAS_GLUON:
     }""")
 
     @gluon.constexpr_function
-    def _words_layout(block_n):
+    def _words_layout(block_n, num_warps):
         """[block_n, 16] int32 words: a thread holds words 4c..4c + 3 of rows r and r + 8 of its
-        warp's 16, the rows of wgmma's A fragment (c: the lane in its quad)."""
-        warps = [[16 << i, 0] for i in range((block_n // 16).bit_length() - 1)]
-        return gl.DistributedLinearLayout(reg_bases=[[0, 1], [0, 2], [8, 0]],
+        warp's 16, the rows of wgmma's A fragment (c: the lane in its quad), and the same again
+        every 16 num_warps rows (wgmma's repeats along M when a warpgroup owns 128 rows or more)."""
+        warps = [[16 << i, 0] for i in range(num_warps.bit_length() - 1)]
+        reps = [[16 * num_warps << i, 0] for i in range((block_n // (16 * num_warps)).bit_length() - 1)]
+        return gl.DistributedLinearLayout(reg_bases=[[0, 1], [0, 2], [8, 0]] + reps,
                                           lane_bases=[[0, 4], [0, 8], [1, 0], [2, 0], [4, 0]],
                                           warp_bases=warps, block_bases=[], shape=[block_n, _WORDS])
 
@@ -176,12 +178,13 @@ if HAS_GLUON:
                          STAGES: gl.constexpr, SPLIT_K: gl.constexpr, num_warps: gl.constexpr,
                          INFLIGHT: gl.constexpr = 1):
         """Program (i, j, s) owns out[j BLOCK_M:, i BLOCK_N:] over split s of K's tiles (the host
-        makes the splits equal, of an even number of tiles). BLOCK_N = 16 num_warps: a warpgroup a 64 rows. INFLIGHT: wgmma
-        groups left in flight at each tile's wait (1; 0 waits for each tile's, as tl.dot does)."""
+        makes the splits equal, of an even number of tiles). A warpgroup owns BLOCK_N / (num_warps /
+        4) rows (64 or 128: one or two wgmma along M). INFLIGHT: wgmma groups left in flight at
+        each tile's wait (1; 0 waits for each tile's, as tl.dot does)."""
         mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                                       instr_shape=[16, BLOCK_M, 16])
         a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
-        w_layout: gl.constexpr = _words_layout(BLOCK_N)
+        w_layout: gl.constexpr = _words_layout(BLOCK_N, num_warps)
         row_layout: gl.constexpr = gl.SliceLayout(1, w_layout)
         pid_n = gl.program_id(0)
         pid_m = gl.program_id(1)
@@ -242,10 +245,14 @@ if HAS_GLUON:
             gl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-# (num_warps, BLOCK_M, STAGES): BLOCK_N is 16 num_warps (64 rows a warpgroup); each with the K
-# splits below where the rows fit the split workspace (the engine's rows up to 64)
-GLUON_TILES = [(4, 16, 4), (4, 16, 6), (8, 16, 4), (4, 32, 4), (8, 32, 4), (4, 64, 4), (8, 64, 3), (8, 64, 4),
-               (4, 128, 2), (4, 128, 3), (4, 128, 4), (8, 128, 3), (4, 256, 2), (8, 256, 2)]
+# (BLOCK_N, num_warps, BLOCK_M, STAGES): a warpgroup owns BLOCK_N / (num_warps / 4) rows, 64 (one
+# wgmma M) or 128 (two, which halves the loop's per-tile instructions a weight: 2.8 against 3.3 in
+# the sm_90 SASS at 16 rows), each with the K splits below where the rows fit the split workspace
+# (the engine's rows up to 64); 128 rows a warpgroup at 128 rows of x would spill
+GLUON_TILES = [(64, 4, 16, 4), (64, 4, 16, 6), (128, 8, 16, 4), (128, 4, 16, 4), (128, 4, 16, 6), (256, 8, 16, 4),
+               (64, 4, 32, 4), (128, 8, 32, 4), (128, 4, 32, 4), (64, 4, 64, 4), (128, 8, 64, 3), (128, 8, 64, 4),
+               (128, 4, 64, 3), (64, 4, 128, 2), (64, 4, 128, 3), (64, 4, 128, 4), (128, 8, 128, 3), (64, 4, 256, 2),
+               (128, 8, 256, 2)]
 GLUON_SPLITS = (1, 2, 4, 8)
 
 
@@ -260,14 +267,14 @@ def gluon_configs(m: int, n: int, k: int, split_rows: int, tiles: list[tuple] | 
     few (~4 waves of 132 SMs). K must be an even number of tiles (gluon_fits)."""
     bucket = rows_block(m)
     out = []
-    for warps, bm, stages in tiles or GLUON_TILES:
+    for bn, warps, bm, stages in tiles or GLUON_TILES:
         if bm not in (bucket, max(16, bucket // 2)):
             continue
-        blocks = -(-n // (16 * warps)) * -(-m // bm)
+        blocks = -(-n // bn) * -(-m // bm)
         for split in GLUON_SPLITS:
             if split > 1 and (m > split_rows or (k // BLOCK_K) % (2 * split) or blocks * split > 528):
                 continue
-            out.append(dict(num_warps=warps, BLOCK_M=bm, STAGES=stages, SPLIT_K=split))
+            out.append(dict(BLOCK_N=bn, num_warps=warps, BLOCK_M=bm, STAGES=stages, SPLIT_K=split))
     return out
 
 
@@ -312,7 +319,7 @@ def wq_gluon(x: torch.Tensor, weight: QuantizedWeight, out: torch.Tensor, bias: 
     (m, k), n = x.shape, weight.shape[0]
     words, sb = gluon_weight(weight)
     bm, warps, split = config["BLOCK_M"], config["num_warps"], config["SPLIT_K"]
-    bn = 16 * warps
+    bn = config.get("BLOCK_N", 16 * warps)
     x_layout = gl.NVMMASharedLayout.get_default_for([bm, BLOCK_K], gl.bfloat16)
     x_desc = TensorDescriptor(x, [m, k], [x.stride(0), 1], [bm, BLOCK_K], x_layout)
     key = (words.data_ptr(), bn)

@@ -126,8 +126,7 @@ from triton.experimental.gluon._runtime import GluonASTSource
 from kernels import wq_gluon
 
 bin_dir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
-for warps, bm, stages, split in ((4, 16, 4, 2), (4, 128, 3, 1), (8, 64, 4, 1)):
-    bn = 16 * warps
+for bn, warps, bm, stages, split in ((64, 4, 16, 4, 2), (64, 4, 128, 3, 1), (128, 8, 64, 4, 1), (128, 4, 16, 4, 2)):
     xl = gl.NVMMASharedLayout.get_default_for([bm, 128], gl.bfloat16)
     wl = gl.NVMMASharedLayout.get_default_for([bn, 16], gl.int32)
     sig = {"x_desc": f"tensordesc<bf16[{bm}, 128],{xl!r}>", "w_desc": f"tensordesc<i32[{bn}, 16],{wl!r}>",
