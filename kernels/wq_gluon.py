@@ -30,7 +30,7 @@ import weakref
 
 import torch
 
-from kernels._triton import triton
+from kernels._triton import pdl_launch, triton
 from kernels.wquant import QuantizedWeight, unpack_int4
 
 try:
@@ -176,11 +176,12 @@ if HAS_GLUON:
     def _wq_gluon_kernel(x_desc, w_desc, sb_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K, stride_sb, stride_om,
                          GROUP: gl.constexpr, HAS_BIAS: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr,
                          STAGES: gl.constexpr, SPLIT_K: gl.constexpr, num_warps: gl.constexpr,
-                         INFLIGHT: gl.constexpr = 1):
+                         INFLIGHT: gl.constexpr = 1, USE_PDL: gl.constexpr = False):
         """Program (i, j, s) owns out[j BLOCK_M:, i BLOCK_N:] over split s of K's tiles (the host
         makes the splits equal, of an even number of tiles). A warpgroup owns BLOCK_N / (num_warps /
         4) rows (64 or 128: one or two wgmma along M). INFLIGHT: wgmma groups left in flight at
-        each tile's wait (1; 0 waits for each tile's, as tl.dot does)."""
+        each tile's wait (1; 0 waits for each tile's, as tl.dot does). USE_PDL: launched as a
+        programmatic dependent launch (kernels/_triton.py)."""
         mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                                       instr_shape=[16, BLOCK_M, 16])
         a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
@@ -201,16 +202,24 @@ if HAS_GLUON:
             mbarrier.init(bars.index(i), count=1)
         fence_async_shared()
         nbytes: gl.constexpr = x_desc.block_type.nbytes + w_desc.block_type.nbytes
+        # the weights (and scales) first: no kernel writes them, so they are fetched before the
+        # wait for the kernel before this one (PDL), while it drains
         for i in gl.static_range(STAGES - 1):
             pred = i < tiles
             mbarrier.expect(bars.index(i), nbytes, pred=pred)
-            tma.async_copy_global_to_shared(x_desc, [off_m, (t0 + i) * _BK], bars.index(i), x_smem.index(i), pred)
             tma.async_copy_global_to_shared(w_desc, [off_n, (t0 + i) * _WORDS], bars.index(i), w_smem.index(i), pred)
-
         rows = gl.minimum(off_n + gl.arange(0, BLOCK_N, layout=row_layout), N - 1)  # edge rows re-read row N - 1
         sb_ptrs = sb_ptr + rows.to(gl.int64) * stride_sb
         TPG: gl.constexpr = GROUP // _BK  # tiles a group
         sb = gl.load(sb_ptrs + t0 // TPG)
+        if USE_PDL:  # kernels/_triton.py's wait_for_producer: x (and out, ws) only after it
+            gl.inline_asm_elementwise("griddepcontrol.wait; // dummy $0", "=r", [], dtype=gl.int32, is_pure=False,
+                                      pack=1)
+            gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // dummy $0", "=r", [], dtype=gl.int32,
+                                      is_pure=False, pack=1)
+        for i in gl.static_range(STAGES - 1):
+            tma.async_copy_global_to_shared(x_desc, [off_m, (t0 + i) * _BK], bars.index(i), x_smem.index(i),
+                                            i < tiles)
         acc = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, mma)
         # two tiles an iteration: a wgmma reads its A registers until it completes, so the tile
         # unpacked while it runs must go to other registers (one loop body for each tile: the
@@ -331,7 +340,7 @@ def wq_gluon(x: torch.Tensor, weight: QuantizedWeight, out: torch.Tensor, bias: 
     _wq_gluon_kernel[grid](x_desc, w_desc, sb, out if bias is None else bias, out, ws, cnt, m, n, k, sb.stride(0),
                            out.stride(0), GROUP=weight.group_size, HAS_BIAS=bias is not None, BLOCK_N=bn,
                            BLOCK_M=bm, STAGES=config["STAGES"], SPLIT_K=split, num_warps=warps,
-                           INFLIGHT=config.get("INFLIGHT", 1))
+                           INFLIGHT=config.get("INFLIGHT", 1), **pdl_launch(x.device))
 
 
 _tuned: dict[tuple, dict] = {}

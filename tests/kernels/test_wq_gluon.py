@@ -133,7 +133,7 @@ for bn, warps, bm, stages, split in ((64, 4, 16, 4, 2), (64, 4, 128, 3, 1), (128
            "sb_ptr": "*i32", "bias_ptr": "*bf16", "out_ptr": "*bf16", "ws_ptr": "*fp32", "cnt_ptr": "*i32",
            "M": "i32", "N": "i32", "K": "i32", "stride_sb": "i32", "stride_om": "i32"}
     cst = dict(GROUP=128, HAS_BIAS=False, BLOCK_N=bn, BLOCK_M=bm, STAGES=stages, SPLIT_K=split, num_warps=warps,
-               INFLIGHT=1)
+               INFLIGHT=1, USE_PDL=True)
     sig.update({k: "constexpr" for k in cst})
     kernel = triton.compile(GluonASTSource(wq_gluon._wq_gluon_kernel, sig, cst), target=GPUTarget("cuda", 90, 32),
                             options={"num_warps": warps})
@@ -141,6 +141,8 @@ for bn, warps, bm, stages, split in ((64, 4, 16, 4, 2), (64, 4, 128, 3, 1), (128
     ttgir, ptx = kernel.asm["ttgir"], kernel.asm["ptx"]
     assert "isAsync = true" in ttgir and "pendings = 1" in ttgir, label + ": no asynchronous wgmma"
     assert "wgmma.wait_group.sync.aligned 1;" in ptx, label
+    # the weights' first stages are asked for before the wait for the kernel before (PDL)
+    assert ptx.index("cp.async.bulk.tensor") < ptx.index("griddepcontrol.wait"), label
     assert not inflight_writes(ptx), label + ": " + str(inflight_writes(ptx)[:3])
     with open("/tmp/wq_gluon_check.ptx", "w") as f:
         f.write(ptx)
