@@ -26,6 +26,7 @@ tensor, built at first use, i.e. the engine's warm-up): int4 qweight's bytes twi
 
 from __future__ import annotations
 
+import os
 import weakref
 
 import torch
@@ -43,6 +44,9 @@ except ImportError:  # no Triton, or one without Gluon
     gluon = gl = None
 
 HAS_GLUON = gluon is not None
+# a programmatic dependent launch (the weights' first stages fetched before the wait for the
+# kernel before); KVCASCADE_GLUON_PDL=0 launches it plainly (the A/B), as KVCASCADE_PDL=0 does all
+PDL = os.environ.get("KVCASCADE_GLUON_PDL", "1") != "0"
 BLOCK_K = 128  # columns a tile: 16 int32 words of a row
 WORDS = BLOCK_K // 8
 _BK = gl.constexpr(BLOCK_K) if gl else BLOCK_K  # the kernels' names for them
@@ -340,7 +344,8 @@ def wq_gluon(x: torch.Tensor, weight: QuantizedWeight, out: torch.Tensor, bias: 
     _wq_gluon_kernel[grid](x_desc, w_desc, sb, out if bias is None else bias, out, ws, cnt, m, n, k, sb.stride(0),
                            out.stride(0), GROUP=weight.group_size, HAS_BIAS=bias is not None, BLOCK_N=bn,
                            BLOCK_M=bm, STAGES=config["STAGES"], SPLIT_K=split, num_warps=warps,
-                           INFLIGHT=config.get("INFLIGHT", 1), **pdl_launch(x.device))
+                           INFLIGHT=config.get("INFLIGHT", 1),
+                           **(pdl_launch(x.device) if PDL else dict(USE_PDL=False, launch_pdl=False)))
 
 
 _tuned: dict[tuple, dict] = {}
@@ -357,7 +362,7 @@ def tuned_config(x: torch.Tensor, weight: QuantizedWeight, out: torch.Tensor, bi
         assert not torch.cuda.is_current_stream_capturing(), "wq_gluon: a shape first met inside CUDA-graph capture"
         timed = []
         for c in gluon_configs(m, n, k, split_rows):
-            ms = triton.testing.do_bench(lambda c=c: wq_gluon(x, weight, out, bias, ws, cnt, c), warmup=5, rep=25,
+            ms = triton.testing.do_bench(lambda c=c: wq_gluon(x, weight, out, bias, ws, cnt, c), warmup=10, rep=50,
                                          return_mode="median")
             timed.append((ms, len(timed), c))
         cfg = _tuned[key] = min(timed)[2]
