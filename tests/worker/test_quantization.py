@@ -143,7 +143,9 @@ def test_packed_engines_hold_packed_weights_and_stay_near_the_float_model(smollm
 
 
 # Golden greedy tokens recorded from this code on CPU (torch 2.13, 2 cores): a change to the packed
-# layout, the repacking or the CPU kernels' use shows here.
+# layout, the repacking or the CPU kernels' use shows here. (int4's third answer was re-recorded
+# when batched decodes stopped being padded to the longest context in the batch, which moves the
+# last bits of CPU attention's sums; it changes from its 5th token, the other answers not at all.)
 GOLDEN = {
     "auto": [[60, 23, 39614, 1141, 552, 28, 2618, 2828, 313, 7712, 769, 28, 2618, 2849, 1558, 28],
              [788, 260, 1911, 282, 260, 3163, 28, 253, 2644, 506, 5193, 314, 253, 13879, 14914, 28],
@@ -153,7 +155,7 @@ GOLDEN = {
              [19556, 17, 1073, 416, 339, 4237, 346, 1834, 47, 2, 198, 1, 4093, 198, 57, 5248]],
     "int4": [[504, 3575, 282, 4649, 314, 7042, 28, 3575, 282, 15407, 99, 825, 89, 300, 30, 2],
              [57, 744, 253, 2644, 28, 253, 2644, 282, 260, 31801, 1564, 28, 351, 253, 10001, 284],
-             [19556, 17, 339, 5248, 441, 253, 2767, 30, 339, 5248, 253, 7952, 2644, 30, 339, 416]],
+             [19556, 17, 339, 5248, 253, 725, 582, 1535, 28, 564, 339, 416, 724, 351, 3534, 17]],
 }
 
 

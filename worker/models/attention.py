@@ -102,38 +102,45 @@ class AttentionBackend:
         raise NotImplementedError
 
 
+ROW_CHUNK_MAX = 17  # a chunk this short that continues a sequence (a verification: 1 + k <= 17) runs as rows
+
+
 class TorchAttentionBackend(AttentionBackend):
     """Plain torch: gathers each sequence's K/V from its blocks and calls SDPA.
 
-    Decodes are batched (padded to the longest context, masked); prefill chunks go one sequence
-    at a time, since padding a long chunk against many decodes would waste more than it saves.
+    Every decode, and every row of a short chunk that continues a sequence (a speculative
+    verification: the last token and k drafts), attends as a row of its own over exactly its
+    context, rows of equal context batched, none padded. So a row's result never depends on what
+    else the step holds: a verification's rows get the bits the plain decodes they stand for would
+    (greedy speculation then emits the plain run's tokens also where activations are rounded to
+    bf16, as before packed matmuls), and a request decodes alike whatever it is batched with (a
+    padded batch changes CPU SDPA's float32 sums). Other prefill chunks go one sequence at a time.
     """
 
     name = "torch"
 
     def prepare(self, meta: AttentionMetadata, device: torch.device) -> None:
         bs = meta.block_size
-        nd = meta.num_decodes
-        if nd:
-            max_ctx = max(meta.context_lens[:nd])
-            slots = torch.zeros(nd, max_ctx, dtype=torch.long)
-            mask = torch.zeros(nd, 1, 1, max_ctx, dtype=torch.bool)
-            for i in range(nd):
-                ctx = meta.context_lens[i]
-                slots[i, :ctx] = _slots_of(meta.block_tables[i], ctx, bs)
-                mask[i, 0, 0, :ctx] = True
-            meta.extra["decode_slots"] = slots.to(device)
-            meta.extra["decode_mask"] = mask.to(device)
+        by_ctx: dict[int, tuple[list[int], list[torch.Tensor]]] = {}  # context length -> (rows, slots)
         prefills = []
-        for i in range(nd, len(meta.context_lens)):
-            ctx = meta.context_lens[i]
-            q_len = meta.query_start[i + 1] - meta.query_start[i]
-            slots = _slots_of(meta.block_tables[i], ctx, bs).to(device)
+        for i, ctx in enumerate(meta.context_lens):
+            start = meta.query_start[i]
+            q_len = meta.query_start[i + 1] - start
+            slots = _slots_of(meta.block_tables[i], ctx, bs)
+            if i < meta.num_decodes or (ctx > q_len and q_len <= ROW_CHUNK_MAX):
+                for j in range(q_len):  # row j sees the sequence's first ctx - q_len + j + 1 tokens
+                    seen = ctx - q_len + j + 1
+                    rows, group = by_ctx.setdefault(seen, ([], []))
+                    rows.append(start + j)
+                    group.append(slots[:seen])
+                continue
             mask = None
             if ctx != q_len:  # a cached or earlier-chunk prefix: causal with an offset
                 q_pos = torch.arange(ctx - q_len, ctx).unsqueeze(1)
                 mask = (torch.arange(ctx).unsqueeze(0) <= q_pos).to(device)
-            prefills.append((slots, mask))
+            prefills.append((start, start + q_len, slots.to(device), mask))
+        meta.extra["row_groups"] = [(torch.tensor(rows, device=device), torch.stack(group).to(device))
+                                    for rows, group in by_ctx.values()]
         meta.extra["prefills"] = prefills
 
     def forward(self, q, k, v, k_cache, v_cache, meta, scale, rope=None, kv_scales=None):
@@ -166,18 +173,13 @@ class TorchAttentionBackend(AttentionBackend):
                 return (dequantize_kv(k_bytes[slots].view(kv_dtype), ks_tok[blk, off], q.dtype),
                         dequantize_kv(v_bytes[slots].view(kv_dtype), vs_tok[blk, off], q.dtype))
         out = torch.empty_like(q)
-        nd = meta.num_decodes
-        if nd:
-            slots = meta.extra["decode_slots"]  # [nd, max_ctx]
-            kd, vd = gather(slots)
-            kd, vd = kd.transpose(1, 2), vd.transpose(1, 2)  # [nd, KVH, max_ctx, D]
-            qd = q[:nd].unsqueeze(2)  # [nd, H, 1, D]
+        for rows, slots in meta.extra["row_groups"]:
+            kd, vd = gather(slots)  # [rows, ctx, KVH, D]
             od = F.scaled_dot_product_attention(
-                qd, kd, vd, attn_mask=meta.extra["decode_mask"], scale=scale, enable_gqa=True
+                q[rows].unsqueeze(2), kd.transpose(1, 2), vd.transpose(1, 2), scale=scale, enable_gqa=True
             )
-            out[:nd] = od.squeeze(2)
-        for i, (slots, mask) in enumerate(meta.extra["prefills"], start=nd):
-            s, e = meta.query_start[i], meta.query_start[i + 1]
+            out[rows] = od.squeeze(2)
+        for s, e, slots, mask in meta.extra["prefills"]:
             qp = q[s:e].transpose(0, 1)  # [H, q_len, D]
             kp, vp = gather(slots)
             kp, vp = kp.transpose(0, 1), vp.transpose(0, 1)  # [KVH, ctx, D]
