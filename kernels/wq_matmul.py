@@ -15,6 +15,9 @@ Paths by rows of x (decode_path; the crossovers were measured on an H200):
   tile right behind the load, and took 245 registers (now 168) for int4's 8 rows. Few output
   blocks split K (SPLITS): the splits add into an fp32 workspace and the last one writes the
   output and zeroes it again, so no extra launch, and nothing allocated per call (CUDA graphs).
+- int4, bf16, on sm_90, GLUON_ROWS (3-512): kernels/wq_gluon.py, the swapped kernel's idea in
+  Gluon with the wgmma chain kept asynchronous across K tiles and a repacked copy of the weight
+  (built at first use); GLUON = False turns it off.
 - up to SWAP_MAX_ROWS rows: the swapped kernel, out^T = W x^T. The weight tile is the dot's first
   operand, which Hopper's wgmma takes from registers (its second only from shared memory), so the
   unpacked tile goes straight from registers into the tensor cores; each K tile is one group (or
