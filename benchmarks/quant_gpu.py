@@ -5,6 +5,7 @@ with dummy:llama-3.1-8b quantized at load (bf16 vs int8 vs int4 in the same run)
         [--batches 1 8 16 64] [--sweep-prefill] [--decode-rows 1 2 4 8 16] [--sweep-gemv] [--gemv-tl-load]
         [--swap-sweep 16 64 512] [--shapes qkv_proj ...] [--swap-max-rows 8:128] [--paths swapped dense]
         [--gluon-sweep 16 64] [--gluon-tiles 64:4:16:4 ...] [--gluon-inflight 0 1] [--no-gluon] [--gluon-rows 3:128]
+        [--profile-batch 16]
 
 kernels  each Llama-3.1-8B projection (and the LM head in int8) at 1, 8, 16, 64 and 512 rows:
          median time (triton.testing.do_bench) of bf16 (the engine's path: skinny matmul at 1 row,
@@ -20,7 +21,8 @@ kernels  each Llama-3.1-8B projection (and the LM head in int8) at 1, 8, 16, 64 
          decode step at each --batches (prompts of 128 tokens, the median interval between steps
          once every request decodes; CUDA graphs and the lookahead as served), the weight bytes a
          step reads and their floor at the copy rate, and workload (b) of gpu_engine.py (256
-         requests, prompt and output U[100, 1024], all at once) output tok/s
+         requests, prompt and output U[100, 1024], all at once) output tok/s; --profile-batch B: the
+         GPU time of a decode step at batch B by kernel (torch.profiler)
 """
 
 from __future__ import annotations
@@ -309,6 +311,30 @@ def decode_step_ms(engine, batch: int, vocab: int, rng: random.Random, new: int 
     return gaps[len(gaps) // 2] * 1e3
 
 
+def profile_decode(engine, batch: int, vocab: int, rng: random.Random, steps: int = 10) -> list[dict]:
+    """The GPU kernels of ``steps`` decode steps at ``batch`` (torch.profiler, graph replays
+    included), by total time a step: where a step's time goes, kernel by kernel."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from worker.engine.sampling_params import SamplingParams
+
+    for _ in range(batch):
+        engine.add_request(random_prompt(rng, 128, vocab),
+                           SamplingParams(max_tokens=steps + 24, temperature=0, ignore_eos=True, detokenize=False))
+    for _ in range(8):  # the prefill and the first decode steps
+        engine.step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            engine.step()
+        torch.cuda.synchronize()
+    while engine.has_unfinished():
+        engine.step()
+    rows = [{"kernel": e.key[:120], "us_a_step": e.device_time_total / steps, "calls_a_step": e.count / steps}
+            for e in prof.key_averages() if e.device_time_total > 0]
+    return sorted(rows, key=lambda r: -r["us_a_step"])[:30]
+
+
 def run_engine(quantization: str, args) -> dict:
     from worker.engine.config import EngineConfig
     from worker.engine.llm_engine import LLMEngine
@@ -329,6 +355,15 @@ def run_engine(quantization: str, args) -> dict:
     rng = random.Random(0)
     decode_step_ms(engine, 1, cfg.vocab_size, rng, 8)  # warm-up
     res["decode_ms"] = {b: decode_step_ms(engine, b, cfg.vocab_size, rng) for b in args.batches}
+    if args.profile_batch:
+        try:
+            res["profile"] = profile_decode(engine, args.profile_batch, cfg.vocab_size, rng)
+        except Exception as exc:  # noqa: BLE001 - the step times above still count
+            res["profile"] = []
+            print(f"{quantization}: profile failed: {type(exc).__name__} {exc}", flush=True)
+        print(f"{quantization}: batch {args.profile_batch}, GPU time a decode step by kernel (us):", flush=True)
+        for row in res["profile"][:15]:
+            print(f"  {row['us_a_step']:9.1f} {row['calls_a_step']:6.1f}x  {row['kernel'][:90]}", flush=True)
     for b, ms in res["decode_ms"].items():
         print(f"{quantization}: batch {b}: {ms:.3f} ms a step (weights' floor {res['floor_ms']:.3f} ms)", flush=True)
     work = workload_b()
@@ -374,6 +409,8 @@ def main() -> None:
     ap.add_argument("--gemv-tl-load", action="store_true",
                     help="decode part: the GEMV's scales and x by tl.load, not inline asm (A/B of GEMV_ASM)")
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 16, 64])
+    ap.add_argument("--profile-batch", type=int, default=0, metavar="B",
+                    help="engine part: the GPU kernels of 10 decode steps at batch B (torch.profiler)")
     ap.add_argument("--kernel-rows", type=int, nargs="+", default=[1, 8, 16, 64, 512])
     ap.add_argument("--sweep-prefill", action="store_true")
     ap.add_argument("--one", help=argparse.SUPPRESS)  # a child: run this config's engine part
@@ -414,7 +451,8 @@ def main() -> None:
         res["engine"] = {}
         for q in args.configs:
             with tempfile.NamedTemporaryFile(suffix=".json") as f:
-                cmd = [sys.executable, __file__, "--one", q, "--out", f.name, "--batches", *map(str, args.batches)]
+                cmd = [sys.executable, __file__, "--one", q, "--out", f.name, "--batches", *map(str, args.batches),
+                       "--profile-batch", str(args.profile_batch)]
                 if args.swap_max_rows:
                     cmd += ["--swap-max-rows", *args.swap_max_rows]
                 cmd += ["--no-gluon"] if args.no_gluon else []
