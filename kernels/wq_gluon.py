@@ -103,26 +103,12 @@ def dequantize_repacked(words: torch.Tensor, sb: torch.Tensor, group: int) -> to
 if HAS_GLUON:
     # sb (s low, b high) -> (s, s) and (b, b) as bf16x2: once a row and tile
     _SPLIT_SB = gl.constexpr("prmt.b32 $0, $2, $2, 0x1010; prmt.b32 $1, $2, $2, 0x3232;")
-    # a word's 8 nibbles -> 4 bf16x2 registers (q s + b) of pairs (s, s + 4)
-    _UNPACK = gl.constexpr("""{
-    .reg .b32 t, m;
-    mov.b32 m, 0x43004300;
-    lop3.b32 t, $4, 0x000F000F, 0x43004300, 0xEA;
-    sub.rn.bf16x2 t, t, m;
-    fma.rn.bf16x2 $0, t, $5, $6;
-    shr.u32 t, $4, 4;
-    lop3.b32 t, t, 0x000F000F, 0x43004300, 0xEA;
-    sub.rn.bf16x2 t, t, m;
-    fma.rn.bf16x2 $1, t, $5, $6;
-    shr.u32 t, $4, 8;
-    lop3.b32 t, t, 0x000F000F, 0x43004300, 0xEA;
-    sub.rn.bf16x2 t, t, m;
-    fma.rn.bf16x2 $2, t, $5, $6;
-    shr.u32 t, $4, 12;
-    lop3.b32 t, t, 0x000F000F, 0x43004300, 0xEA;
-    sub.rn.bf16x2 t, t, m;
-    fma.rn.bf16x2 $3, t, $5, $6;
-    }""")
+    # a word's 8 nibbles -> 4 bf16x2 registers (q s + b) of pairs (s, s + 4): $0..$3 from the word
+    # $4, (s, s) $5 and (b, b) $6
+    _UNPACK = gl.constexpr("{ .reg .b32 t, m; mov.b32 m, 0x43004300; " + "".join(
+        ("lop3.b32 t, $4, " if i == 0 else f"shr.u32 t, $4, {4 * i}; lop3.b32 t, t, ")
+        + f"0x000F000F, 0x43004300, 0xEA; sub.rn.bf16x2 t, t, m; fma.rn.bf16x2 ${i}, t, $5, $6; " for i in range(4))
+        + "}")
 
     @gluon.constexpr_function
     def _words_layout(block_n, num_warps):
