@@ -1,7 +1,7 @@
 """The Gluon W4A16 kernel's CPU-checkable parts (kernels/wq_gluon.py): the repacked layout and the
 tile the kernel assembles from it, its routing in kernels/wq_matmul.py, and its sm_90 lowering
 (an asynchronous wgmma chain that ptxas does not serialize, whose in-flight A registers nothing
-rewrites). The kernel itself needs an H100 /
+rewrites, in the PTX or in ptxas's registers). The kernel itself needs an H100 /
 H200: benchmarks/quant_gpu.py --parts decode checks it there (rel_err)."""
 
 import os
@@ -92,7 +92,7 @@ def test_configs_split_only_evenly_and_within_the_workspace():
 
 
 CHECK = r'''
-import re, subprocess, os
+import re, subprocess, os, tempfile
 
 
 def inflight_writes(ptx):
@@ -125,7 +125,35 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon._runtime import GluonASTSource
 from kernels import wq_gluon
 
+def sass_inflight_writes(sass):
+    """The same in the SASS, where ptxas allocates the registers: an HGMMA group's A quads stay
+    read until the WARPGROUP.DEPBAR that retires the group."""
+    lines = [l for l in sass.splitlines() if re.match(r"\s+/\*[0-9a-f]{4}\*/", l)]
+    addr = lambda l: int(re.match(r"\s+/\*([0-9a-f]{4})\*/", l).group(1), 16)
+    target = lambda l: int(re.search(r"BRA (0x[0-9a-f]+)", l).group(1), 16)
+    back = [l for l in lines if re.search(r"BRA 0x", l) and target(l) < addr(l)][0]
+    body = [re.sub(r"^\s*/\*[0-9a-f]+\*/\s+(@!?U?P\w+\s+)?", "", l).split(";")[0]
+            for l in lines if target(back) <= addr(l) <= addr(back)]
+    flying, pending, bad = [], set(), []
+    for op in body * 2:
+        if op.startswith("HGMMA"):
+            a = re.match(r"HGMMA\S*\s+R\d+,\s+R(\d+),", op)
+            pending |= {f"R{int(a.group(1)) + j}" for j in range(4)} if a else set()
+            if "gsb0" in op:
+                flying, pending = flying + [pending], set()
+        elif op.startswith("WARPGROUP.DEPBAR"):
+            n = int(re.search(r"0x([0-9a-f]+)", op).group(1), 16)
+            flying = flying[len(flying) - n:] if n else []
+        else:
+            m = re.match(r"^[A-Z][\w.]*\s+(R\d+)\b", op)
+            if m and any(m.group(1) in g for g in flying):
+                bad.append(op)
+    return bad
+
+
 bin_dir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+tmp = tempfile.mkdtemp()
+ptx_path, cubin_path = os.path.join(tmp, "k.ptx"), os.path.join(tmp, "k.cubin")
 for bn, warps, bm, stages, split in ((64, 4, 16, 4, 2), (64, 4, 128, 3, 1), (128, 8, 64, 4, 1), (128, 4, 16, 4, 2)):
     xl = gl.NVMMASharedLayout.get_default_for([bm, 128], gl.bfloat16)
     wl = gl.NVMMASharedLayout.get_default_for([bn, 16], gl.int32)
@@ -144,13 +172,16 @@ for bn, warps, bm, stages, split in ((64, 4, 16, 4, 2), (64, 4, 128, 3, 1), (128
     # the weights' first stages are asked for before the wait for the kernel before (PDL)
     assert ptx.index("cp.async.bulk.tensor") < ptx.index("griddepcontrol.wait"), label
     assert not inflight_writes(ptx), label + ": " + str(inflight_writes(ptx)[:3])
-    with open("/tmp/wq_gluon_check.ptx", "w") as f:
+    with open(ptx_path, "w") as f:
         f.write(ptx)
-    log = subprocess.run([os.path.join(bin_dir, "ptxas"), "-v", "--gpu-name", "sm_90a", "/tmp/wq_gluon_check.ptx",
-                          "-o", "/tmp/wq_gluon_check.cubin"], capture_output=True, text=True).stderr
+    log = subprocess.run([os.path.join(bin_dir, "ptxas"), "-v", "--gpu-name", "sm_90a", ptx_path, "-o", cubin_path],
+                         capture_output=True, text=True).stderr
     assert "serialized" not in log, label + ": " + log
     spill = re.search(r"(\d+) bytes spill stores", log)
     assert spill and spill.group(1) == "0", label + ": " + log
+    sass = subprocess.run([os.path.join(bin_dir, "cuobjdump"), "-sass", cubin_path], capture_output=True,
+                          text=True).stdout
+    assert "HGMMA" in sass and not sass_inflight_writes(sass), label + ": " + str(sass_inflight_writes(sass)[:3])
     print("ok", label)
 '''
 
