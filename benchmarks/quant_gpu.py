@@ -396,8 +396,9 @@ def main() -> None:
                     help="decode part: the swapped kernel's tiles and switches at these rows")
     ap.add_argument("--gluon-sweep", type=int, nargs="*", default=[], metavar="ROWS",
                     help="decode part: kernels/wq_gluon.py's tiles and splits at these rows")
-    ap.add_argument("--gluon-tiles", nargs="+", metavar="BLOCK_N:WARPS:BLOCK_M:STAGES",
-                    help="--gluon-sweep: these tiles, not kernels/wq_gluon.py's GLUON_TILES")
+    ap.add_argument("--gluon-tiles", nargs="+", metavar="BLOCK_N:WARPS:BLOCK_M:STAGES[:WS]",
+                    help="--gluon-sweep: these tiles, not kernels/wq_gluon.py's GLUON_TILES (WS 1: the "
+                         "warp-specialized kernel, kernels/wq_gluon_ws.py)")
     ap.add_argument("--gluon-inflight", type=int, nargs="+", default=[1],
                     help="--gluon-sweep: wgmma groups left in flight (0: wait for each tile's, the A/B)")
     ap.add_argument("--no-gluon", action="store_true", help="kernels/wq_matmul.py's GLUON switch off (A/B)")

@@ -202,11 +202,8 @@ if HAS_GLUON:
         sb_ptrs = sb_ptr + rows.to(gl.int64) * stride_sb
         TPG: gl.constexpr = GROUP // _BK  # tiles a group
         sb = gl.load(sb_ptrs + t0 // TPG)
-        if USE_PDL:  # kernels/_triton.py's wait_for_producer: x (and out, ws) only after it
-            gl.inline_asm_elementwise("griddepcontrol.wait; // dummy $0", "=r", [], dtype=gl.int32, is_pure=False,
-                                      pack=1)
-            gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // dummy $0", "=r", [], dtype=gl.int32,
-                                      is_pure=False, pack=1)
+        if USE_PDL:  # x (and out, ws) only after it
+            _pdl_wait()
         for i in gl.static_range(STAGES - 1):
             tma.async_copy_global_to_shared(x_desc, [off_m, (t0 + i) * _BK], bars.index(i), x_smem.index(i),
                                             i < tiles)
@@ -223,11 +220,27 @@ if HAS_GLUON:
         for i in gl.static_range(STAGES):
             mbarrier.invalidate(bars.index(i))
 
+        _store(acc, off_n, off_m, pid_n, pid_m, bias_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, stride_om, mma, HAS_BIAS,
+               BLOCK_N, BLOCK_M, SPLIT_K)
+
+    @gluon.jit
+    def _pdl_wait():
+        """kernels/_triton.py's wait_for_producer in Gluon."""
+        gl.inline_asm_elementwise("griddepcontrol.wait; // dummy $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
+        gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // dummy $0", "=r", [], dtype=gl.int32,
+                                  is_pure=False, pack=1)
+
+    @gluon.jit
+    def _store(acc, off_n, off_m, pid_n, pid_m, bias_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, stride_om,
+               mma: gl.constexpr, HAS_BIAS: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr,
+               SPLIT_K: gl.constexpr):
+        """acc [BLOCK_N, BLOCK_M] (out^T) into out (+ bias); with SPLIT_K > 1 the splits add into ws
+        (fp32 [M, N], zero) and the last to count in stores and re-zeroes."""
         offs_n = off_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, mma))
         offs_m = off_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, mma))
         mask = gl.expand_dims(offs_n < N, 1) & gl.expand_dims(offs_m < M, 0)
         out_ptrs = out_ptr + gl.expand_dims(offs_m, 0) * stride_om + gl.expand_dims(offs_n, 1)
-        if SPLIT_K > 1:  # the splits add into ws (fp32 [M, N], zero); the last to count in stores and re-zeroes
+        if SPLIT_K > 1:
             ws_ptrs = ws_ptr + gl.expand_dims(offs_m, 0) * N + gl.expand_dims(offs_n, 1)
             gl.atomic_add(ws_ptrs, acc, mask=mask, sem="relaxed")
             gl.thread_barrier()  # every thread's adds issued before the count (released by the atomic)
@@ -252,6 +265,10 @@ GLUON_TILES = [(64, 4, 16, 4), (64, 4, 16, 6), (128, 8, 16, 4), (128, 4, 16, 4),
                (64, 4, 32, 4), (128, 8, 32, 4), (128, 4, 32, 4), (64, 4, 64, 4), (128, 8, 64, 3), (128, 8, 64, 4),
                (128, 4, 64, 3), (64, 4, 128, 2), (64, 4, 128, 3), (64, 4, 128, 4), (128, 8, 128, 3), (64, 4, 256, 2),
                (128, 8, 256, 2)]
+# the warp-specialized kernel's tiles (kernels/wq_gluon_ws.py; a fifth field, WS): 4 consumer warps,
+# registers capped so that 3-4 CTAs fit an SM (WS_MAXNREG by BLOCK_M)
+GLUON_WS_TILES = [(64, 4, 16, 4, True), (64, 4, 16, 6, True), (64, 4, 32, 4, True), (64, 4, 64, 4, True)]
+WS_MAXNREG = {16: 64, 32: 80, 64: 80}
 GLUON_SPLITS = (1, 2, 4, 8)
 
 
@@ -266,14 +283,15 @@ def gluon_configs(m: int, n: int, k: int, split_rows: int, tiles: list[tuple] | 
     few (~4 waves of 132 SMs). K must be an even number of tiles (gluon_fits)."""
     bucket = rows_block(m)
     out = []
-    for bn, warps, bm, stages in tiles or GLUON_TILES:
+    for bn, warps, bm, stages, *ws in tiles or GLUON_TILES:
         if bm not in (bucket, max(16, bucket // 2)):
             continue
         blocks = -(-n // bn) * -(-m // bm)
         for split in GLUON_SPLITS:
             if split > 1 and (m > split_rows or (k // BLOCK_K) % (2 * split) or blocks * split > 528):
                 continue
-            out.append(dict(BLOCK_N=bn, num_warps=warps, BLOCK_M=bm, STAGES=stages, SPLIT_K=split))
+            out.append(dict(BLOCK_N=bn, num_warps=warps, BLOCK_M=bm, STAGES=stages, SPLIT_K=split,
+                            WS=bool(ws and ws[0])))
     return out
 
 
@@ -327,11 +345,16 @@ def wq_gluon(x: torch.Tensor, weight: QuantizedWeight, out: torch.Tensor, bias: 
         w_layout = gl.NVMMASharedLayout.get_default_for([bn, WORDS], gl.int32)
         w_desc = _descs[key] = TensorDescriptor(words, list(words.shape), [words.stride(0), 1], [bn, WORDS], w_layout)
     grid = (triton.cdiv(n, bn), triton.cdiv(m, bm), split)
-    _wq_gluon_kernel[grid](x_desc, w_desc, sb, out if bias is None else bias, out, ws, cnt, m, n, k, sb.stride(0),
+    kernel, extra = _wq_gluon_kernel, {}
+    if config.get("WS"):
+        from kernels.wq_gluon_ws import _wq_gluon_ws_kernel as kernel
+
+        extra = dict(maxnreg=WS_MAXNREG[bm])
+    kernel[grid](x_desc, w_desc, sb, out if bias is None else bias, out, ws, cnt, m, n, k, sb.stride(0),
                            out.stride(0), GROUP=weight.group_size, HAS_BIAS=bias is not None, BLOCK_N=bn,
                            BLOCK_M=bm, STAGES=config["STAGES"], SPLIT_K=split, num_warps=warps,
                            INFLIGHT=config.get("INFLIGHT", 1),
-                           **(pdl_launch(x.device) if PDL else dict(USE_PDL=False, launch_pdl=False)))
+                           **(pdl_launch(x.device) if PDL else dict(USE_PDL=False, launch_pdl=False)), **extra)
 
 
 _tuned: dict[tuple, dict] = {}

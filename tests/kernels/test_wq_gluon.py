@@ -131,9 +131,10 @@ def sass_inflight_writes(sass):
     lines = [l for l in sass.splitlines() if re.match(r"\s+/\*[0-9a-f]{4}\*/", l)]
     addr = lambda l: int(re.match(r"\s+/\*([0-9a-f]{4})\*/", l).group(1), 16)
     target = lambda l: int(re.search(r"BRA (0x[0-9a-f]+)", l).group(1), 16)
-    back = [l for l in lines if re.search(r"BRA 0x", l) and target(l) < addr(l)][0]
-    body = [re.sub(r"^\s*/\*[0-9a-f]+\*/\s+(@!?U?P\w+\s+)?", "", l).split(";")[0]
-            for l in lines if target(back) <= addr(l) <= addr(back)]
+    span = lambda b: [l for l in lines if target(b) <= addr(l) <= addr(b)]
+    backs = [l for l in lines if re.search(r"BRA 0x", l) and target(l) < addr(l)]
+    back = max(backs, key=lambda b: sum("HGMMA" in l for l in span(b)))  # the main loop
+    body = [re.sub(r"^\s*/\*[0-9a-f]+\*/\s+(@!?U?P\w+\s+)?", "", l).split(";")[0] for l in span(back)]
     flying, pending, bad = [], set(), []
     for op in body * 2:
         if op.startswith("HGMMA"):
@@ -154,7 +155,10 @@ def sass_inflight_writes(sass):
 bin_dir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
 tmp = tempfile.mkdtemp()
 ptx_path, cubin_path = os.path.join(tmp, "k.ptx"), os.path.join(tmp, "k.cubin")
-for bn, warps, bm, stages, split in ((64, 4, 16, 4, 2), (64, 4, 128, 3, 1), (128, 8, 64, 4, 1), (128, 4, 16, 4, 2)):
+from kernels import wq_gluon_ws
+
+for bn, warps, bm, stages, split, ws in ((64, 4, 16, 4, 2, False), (64, 4, 128, 3, 1, False), (128, 8, 64, 4, 1, False),
+                                         (128, 4, 16, 4, 2, False), (64, 4, 16, 4, 2, True), (64, 4, 64, 4, 1, True)):
     xl = gl.NVMMASharedLayout.get_default_for([bm, 128], gl.bfloat16)
     wl = gl.NVMMASharedLayout.get_default_for([bn, 16], gl.int32)
     sig = {"x_desc": f"tensordesc<bf16[{bm}, 128],{xl!r}>", "w_desc": f"tensordesc<i32[{bn}, 16],{wl!r}>",
@@ -163,14 +167,17 @@ for bn, warps, bm, stages, split in ((64, 4, 16, 4, 2), (64, 4, 128, 3, 1), (128
     cst = dict(GROUP=128, HAS_BIAS=False, BLOCK_N=bn, BLOCK_M=bm, STAGES=stages, SPLIT_K=split, num_warps=warps,
                INFLIGHT=1, USE_PDL=True)
     sig.update({k: "constexpr" for k in cst})
-    kernel = triton.compile(GluonASTSource(wq_gluon._wq_gluon_kernel, sig, cst), target=GPUTarget("cuda", 90, 32),
-                            options={"num_warps": warps})
-    label = f"{warps} warps, {bm} rows, {stages} stages, split {split}"
+    fn = wq_gluon_ws._wq_gluon_ws_kernel if ws else wq_gluon._wq_gluon_kernel
+    options = {"num_warps": warps, **({"maxnreg": wq_gluon.WS_MAXNREG[bm]} if ws else {})}
+    kernel = triton.compile(GluonASTSource(fn, sig, cst), target=GPUTarget("cuda", 90, 32), options=options)
+    label = f"{warps} warps, {bm} rows, {stages} stages, split {split}, warp-specialized {ws}"
     ttgir, ptx = kernel.asm["ttgir"], kernel.asm["ptx"]
     assert "isAsync = true" in ttgir and "pendings = 1" in ttgir, label + ": no asynchronous wgmma"
+    assert ws == ("setmaxnreg" in kernel.asm["ptx"]), label
     assert "wgmma.wait_group.sync.aligned 1;" in ptx, label
-    # the weights' first stages are asked for before the wait for the kernel before (PDL)
-    assert ptx.index("cp.async.bulk.tensor") < ptx.index("griddepcontrol.wait"), label
+    # the weights' first stages are asked for before the wait for the kernel before (PDL); the
+    # warp-specialized kernel's consumer (its wait before the stores) comes first in the PTX
+    assert ws or ptx.index("cp.async.bulk.tensor") < ptx.index("griddepcontrol.wait"), label
     assert not inflight_writes(ptx), label + ": " + str(inflight_writes(ptx)[:3])
     with open(ptx_path, "w") as f:
         f.write(ptx)
