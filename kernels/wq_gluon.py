@@ -22,6 +22,8 @@ bf16 s low, b high).
 
 The repacked words are kept beside the weight (``gluon_weight``: a cache keyed by the packed
 tensor, built at first use, i.e. the engine's warm-up): int4 qweight's bytes twice on the GPU.
+Tiles (this kernel's and the warp-specialized one's, kernels/wq_gluon_ws.py) are timed per shape
+and rows bucket at first use, from a CUDA graph over copies of the weight that miss the L2.
 """
 
 from __future__ import annotations

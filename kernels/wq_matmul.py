@@ -719,8 +719,8 @@ GEMV_ROWS = {8: 1, 4: 2}
 SWAP_MAX_ROWS = {8: 128, 4: 64}
 # the Gluon kernel (kernels/wq_gluon.py: async wgmma chain, int4 on sm_90): the rows it takes
 # (first, last), by bits; GLUON = False turns it off. H200, µs a layer (docs/BENCHMARKS.md): at
-# 16 rows 64 against the swapped kernel's 96, at 64 93 against 194, at 128 138 against dense 296,
-# at 512 393-454 against dense 437-482; at 1024 901 against dense 815
+# 16 rows 53 against the swapped kernel's 96, at 64 82 against 194, at 128 128 against dense 295,
+# at 512 392 against dense 436; at 1024 901 against dense 815
 GLUON = True
 GLUON_ROWS = {4: (3, 512)}
 
