@@ -97,24 +97,9 @@ def bench_kernels(ceilings: dict, rows_list: list[int], sweep: bool) -> dict:
 def graph_us(calls: list) -> float:
     """Median µs a call of ``calls`` (one per weight copy, together several times the L2), replayed
     from one CUDA graph as the engine's decode step runs them."""
-    for call in calls:
-        call()  # compiles (and tunes) outside the capture
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for call in calls:
-            call()
-    graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(9):
-        start.record()
-        for _ in range(4):
-            graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 4 / len(calls) * 1e3)
-    return sorted(times)[len(times) // 2]
+    from kernels.wq_gluon_tune import graph_us as replayed
+
+    return replayed(calls, samples=9, replays=4)
 
 
 # --swap-sweep: the swapped kernel's tiles (BLOCK_N, BLOCK_M, warps, stages) per row bucket, each
@@ -142,10 +127,11 @@ def swap_sweep_configs(rows: int, bits: int) -> list[dict]:
 
 def sweep_gluon(x: torch.Tensor, ws: list, ref: torch.Tensor, tag: str, tiles: list[tuple] | None = None,
                 inflight: tuple[int, ...] = (1,)) -> dict:
-    """kernels/wq_gluon.py's tiles (GLUON_TILES or ``tiles``) and K splits for one shape and rows,
-    each with the wgmma groups left in flight in ``inflight``: rel_err (the output poisoned with
+    """kernels/wq_gluon.py's tiles (kernels/wq_gluon_tune.py's GLUON_TILES or ``tiles``) and K
+    splits for one shape and rows, each with the wgmma groups left in flight in ``inflight``: rel_err (the output poisoned with
     NaN first: an unwritten element fails; a wrong one is located) and µs, as bench_decode times."""
-    from kernels.wq_gluon import gluon_configs, wq_gluon
+    from kernels.wq_gluon import wq_gluon
+    from kernels.wq_gluon_tune import gluon_configs
     from kernels.wq_matmul import WORKSPACE_ROWS, _workspace
 
     (m, k), n = x.shape, ws[0].shape[0]
@@ -397,7 +383,7 @@ def main() -> None:
     ap.add_argument("--gluon-sweep", type=int, nargs="*", default=[], metavar="ROWS",
                     help="decode part: kernels/wq_gluon.py's tiles and splits at these rows")
     ap.add_argument("--gluon-tiles", nargs="+", metavar="BLOCK_N:WARPS:BLOCK_M:STAGES[:WS]",
-                    help="--gluon-sweep: these tiles, not kernels/wq_gluon.py's GLUON_TILES (WS 1: the "
+                    help="--gluon-sweep: these tiles, not kernels/wq_gluon_tune.py's GLUON_TILES (WS 1: the "
                          "warp-specialized kernel, kernels/wq_gluon_ws.py)")
     ap.add_argument("--gluon-inflight", type=int, nargs="+", default=[1],
                     help="--gluon-sweep: wgmma groups left in flight (0: wait for each tile's, the A/B)")

@@ -23,7 +23,8 @@ bf16 s low, b high).
 The repacked words are kept beside the weight (``gluon_weight``: a cache keyed by the packed
 tensor, built at first use, i.e. the engine's warm-up): int4 qweight's bytes twice on the GPU.
 Tiles (this kernel's and the warp-specialized one's, kernels/wq_gluon_ws.py) are timed per shape
-and rows bucket at first use, from a CUDA graph over copies of the weight that miss the L2.
+and rows bucket at first use, from a CUDA graph over copies of the weight that miss the L2
+(kernels/wq_gluon_tune.py).
 """
 
 from __future__ import annotations
@@ -259,42 +260,7 @@ if HAS_GLUON:
             gl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-# (BLOCK_N, num_warps, BLOCK_M, STAGES): a warpgroup owns BLOCK_N / (num_warps / 4) rows, 64 (one
-# wgmma M) or 128 (two, which halves the loop's per-tile instructions a weight: 2.8 against 3.3 in
-# the sm_90 SASS at 16 rows), each with the K splits below where the rows fit the split workspace
-# (the engine's rows up to 64); 128 rows a warpgroup at 128 rows of x would spill
-GLUON_TILES = [(64, 4, 16, 4), (64, 4, 16, 6), (128, 8, 16, 4), (128, 4, 16, 4), (128, 4, 16, 6), (256, 8, 16, 4),
-               (64, 4, 32, 4), (128, 8, 32, 4), (128, 4, 32, 4), (64, 4, 64, 4), (128, 8, 64, 3), (128, 8, 64, 4),
-               (128, 4, 64, 3), (64, 4, 128, 2), (64, 4, 128, 3), (64, 4, 128, 4), (128, 8, 128, 3), (64, 4, 256, 2),
-               (128, 8, 256, 2)]
-# the warp-specialized kernel's tiles (kernels/wq_gluon_ws.py; a fifth field, WS): 4 consumer warps,
-# registers capped so that 3-4 CTAs fit an SM (WS_MAXNREG by BLOCK_M)
-GLUON_WS_TILES = [(64, 4, 16, 4, True), (64, 4, 16, 6, True), (64, 4, 32, 4, True), (64, 4, 64, 4, True)]
-WS_MAXNREG = {16: 64, 32: 80, 64: 80}
-GLUON_SPLITS = (1, 2, 4, 8)
-
-
-def rows_block(m: int) -> int:
-    """The BLOCK_M bucket of ``m`` rows: the power of two from 16 to 256."""
-    return min(256, max(16, 1 << (m - 1).bit_length()))
-
-
-def gluon_configs(m: int, n: int, k: int, split_rows: int, tiles: list[tuple] | None = None) -> list[dict]:
-    """The tiles (GLUON_TILES, or ``tiles``) worth timing for ``m`` rows: BLOCK_M at the rows'
-    bucket or half of it (from 16), K splits into equal, even numbers of tiles while the blocks are
-    few (~4 waves of 132 SMs). K must be an even number of tiles (gluon_fits)."""
-    bucket = rows_block(m)
-    out = []
-    for bn, warps, bm, stages, *ws in tiles or GLUON_TILES:
-        if bm not in (bucket, max(16, bucket // 2)):
-            continue
-        blocks = -(-n // bn) * -(-m // bm)
-        for split in GLUON_SPLITS:
-            if split > 1 and (m > split_rows or (k // BLOCK_K) % (2 * split) or blocks * split > 528):
-                continue
-            out.append(dict(BLOCK_N=bn, num_warps=warps, BLOCK_M=bm, STAGES=stages, SPLIT_K=split,
-                            WS=bool(ws and ws[0])))
-    return out
+WS_MAXNREG = {16: 64, 32: 80, 64: 80}  # the warp-specialized kernel's register cap, by BLOCK_M
 
 
 _repacked: dict[tuple, tuple] = {}
@@ -333,14 +299,15 @@ _descs: dict[tuple, object] = {}
 
 def wq_gluon(x: torch.Tensor, weight: QuantizedWeight, out: torch.Tensor, bias: torch.Tensor | None,
              ws: torch.Tensor, cnt: torch.Tensor, config: dict) -> None:
-    """out = x @ W^T (+ bias) through the kernel at ``config`` (gluon_configs' dicts); ws, cnt:
-    kernels/wq_matmul.py's split workspace (zero), for SPLIT_K > 1."""
+    """out = x @ W^T (+ bias) through the kernel at ``config`` (kernels/wq_gluon_tune.py's
+    dicts); ws, cnt: kernels/wq_matmul.py's split workspace (zero), for SPLIT_K > 1."""
     words, sb = gluon_weight(weight)
     _launch(x, words, sb, weight.group_size, out, bias, ws, cnt, config)
 
 
 def _launch(x: torch.Tensor, words: torch.Tensor, sb: torch.Tensor, group: int, out: torch.Tensor,
-            bias: torch.Tensor | None, ws: torch.Tensor, cnt: torch.Tensor, config: dict, keep_desc: bool = True) -> None:
+            bias: torch.Tensor | None, ws: torch.Tensor, cnt: torch.Tensor, config: dict,
+            keep_desc: bool = True) -> None:
     (m, k), n = x.shape, words.shape[0]
     bm, warps, split = config["BLOCK_M"], config["num_warps"], config["SPLIT_K"]
     bn = config.get("BLOCK_N", 16 * warps)
@@ -363,56 +330,3 @@ def _launch(x: torch.Tensor, words: torch.Tensor, sb: torch.Tensor, group: int, 
                  out.stride(0), GROUP=group, HAS_BIAS=bias is not None, BLOCK_N=bn, BLOCK_M=bm,
                  STAGES=config["STAGES"], SPLIT_K=split, num_warps=warps, INFLIGHT=config.get("INFLIGHT", 1),
                  **(pdl_launch(x.device) if PDL else dict(USE_PDL=False, launch_pdl=False)), **extra)
-
-
-_tuned: dict[tuple, dict] = {}
-# the tuner times each tile over copies of the weight that together miss the L2 (50 MB on an
-# H200), replayed back to back from one CUDA graph, as a decode step meets them: do_bench on
-# the one weight (its L2 flushed between calls) picked tiles 15% slower a layer at 16 rows on an
-# H200 than the sweep's best (docs/BENCHMARKS.md)
-TUNE_BYTES = 256 << 20
-
-
-def _graph_us(calls: list) -> float:
-    """Median µs a call of ``calls``, replayed from one CUDA graph."""
-    for call in calls:
-        call()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for call in calls:
-            call()
-    graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(5):
-        start.record()
-        for _ in range(3):
-            graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 3 / len(calls) * 1e3)
-    return sorted(times)[len(times) // 2]
-
-
-def tuned_config(x: torch.Tensor, weight: QuantizedWeight, out: torch.Tensor, bias: torch.Tensor | None,
-                 ws: torch.Tensor, cnt: torch.Tensor, split_rows: int) -> dict:
-    """The fastest of gluon_configs for this shape and rows bucket, timed at first use (warm-up,
-    before CUDA-graph capture) on the call's x, over transient copies of the weight (TUNE_BYTES)."""
-    (m, k), n = x.shape, weight.shape[0]
-    key = (n, k, weight.group_size, rows_block(m), bias is not None)
-    cfg = _tuned.get(key)
-    if cfg is None:
-        assert not torch.cuda.is_current_stream_capturing(), "wq_gluon: a shape first met inside CUDA-graph capture"
-        words, sb = gluon_weight(weight)
-        copies = [(words, sb)] + [(words.clone(), sb.clone())
-                                  for _ in range(max(1, TUNE_BYTES // (words.nbytes + sb.nbytes)) - 1)]
-        timed = []
-        for c in gluon_configs(m, n, k, split_rows, GLUON_TILES + GLUON_WS_TILES):
-            calls = [lambda w=w, s=s, c=c: _launch(x, w, s, weight.group_size, out, bias, ws, cnt, c, False)
-                     for w, s in copies]
-            timed.append((_graph_us(calls), len(timed), c))
-        cfg = _tuned[key] = min(timed)[2]
-        del copies
-        torch.cuda.empty_cache()
-    return cfg

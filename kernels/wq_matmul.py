@@ -46,7 +46,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels import wq_gluon
+from kernels import wq_gluon, wq_gluon_tune
 from kernels._triton import _cuda_capability, check_launchable, interpreting, jit, pdl_launch, tl, triton, wait_for_producer
 from kernels.wquant import QuantizedWeight
 
@@ -778,7 +778,7 @@ def wq_matmul(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | Non
             path = decode_path(weight, m, x.dtype, gluon=False)
     if path == "gluon":
         ws, cnt = _workspace(x.device, n, -(-n // 64) * -(-WORKSPACE_ROWS // 16))  # a counter a block
-        cfg = config or wq_gluon.tuned_config(x, weight, out, bias, ws, cnt, WORKSPACE_ROWS)
+        cfg = config or wq_gluon_tune.tuned_config(x, weight, out, bias, ws, cnt, WORKSPACE_ROWS)
         wq_gluon.wq_gluon(x, weight, out, bias, ws, cnt, cfg)
         return out
     if path == "dense":  # cuBLAS on a transient dense copy (module docstring)

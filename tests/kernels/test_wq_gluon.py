@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kernels import wq_gluon, wq_matmul
+from kernels import wq_gluon, wq_gluon_tune, wq_matmul
 from kernels.wquant import QuantizedWeight, quantize, unpack_int4
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -85,8 +85,8 @@ def test_routing_takes_the_kernel_only_where_it_can_run(monkeypatch):
 
 def test_configs_split_only_evenly_and_within_the_workspace():
     for m in (3, 16, 64, 128, 256):
-        for cfg in wq_gluon.gluon_configs(m, 4096, 14336, 64):
-            assert cfg["BLOCK_M"] in (wq_gluon.rows_block(m), max(16, wq_gluon.rows_block(m) // 2))
+        for cfg in wq_gluon_tune.gluon_configs(m, 4096, 14336, 64):
+            assert cfg["BLOCK_M"] in (wq_gluon_tune.rows_block(m), max(16, wq_gluon_tune.rows_block(m) // 2))
             if cfg["SPLIT_K"] > 1:
                 assert m <= 64 and (14336 // 128) % cfg["SPLIT_K"] == 0
 

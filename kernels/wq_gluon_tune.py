@@ -1,0 +1,103 @@
+"""kernels/wq_gluon.py's tiles and their tuner: the tile lists of the plain and the
+warp-specialized kernel, the configs worth timing for a shape and rows, and the choice among them
+at first use, timed as a decode step meets the kernel (back to back from a CUDA graph, over copies
+of the weight that miss the L2)."""
+
+from __future__ import annotations
+
+import torch
+
+from kernels._triton import triton
+from kernels.wq_gluon import BLOCK_K, _launch, gluon_weight
+from kernels.wquant import QuantizedWeight
+
+# (BLOCK_N, num_warps, BLOCK_M, STAGES): a warpgroup owns BLOCK_N / (num_warps / 4) rows, 64 (one
+# wgmma M) or 128 (two, which halves the loop's per-tile instructions a weight: 2.8 against 3.3 in
+# the sm_90 SASS at 16 rows), each with the K splits below where the rows fit the split workspace
+# (the engine's rows up to 64); 128 rows a warpgroup at 128 rows of x would spill
+GLUON_TILES = [(64, 4, 16, 4), (64, 4, 16, 6), (128, 8, 16, 4), (128, 4, 16, 4), (128, 4, 16, 6), (256, 8, 16, 4),
+               (64, 4, 32, 4), (128, 8, 32, 4), (128, 4, 32, 4), (64, 4, 64, 4), (128, 8, 64, 3), (128, 8, 64, 4),
+               (128, 4, 64, 3), (64, 4, 128, 2), (64, 4, 128, 3), (64, 4, 128, 4), (128, 8, 128, 3), (64, 4, 256, 2),
+               (128, 8, 256, 2)]
+# the warp-specialized kernel's tiles (kernels/wq_gluon_ws.py; a fifth field, WS): 4 consumer warps,
+# registers capped so that 3-4 CTAs fit an SM (wq_gluon.WS_MAXNREG)
+GLUON_WS_TILES = [(64, 4, 16, 4, True), (64, 4, 16, 6, True), (64, 4, 32, 4, True), (64, 4, 64, 4, True)]
+GLUON_SPLITS = (1, 2, 4, 8)
+
+
+def rows_block(m: int) -> int:
+    """The BLOCK_M bucket of ``m`` rows: the power of two from 16 to 256."""
+    return min(256, max(16, 1 << (m - 1).bit_length()))
+
+
+def gluon_configs(m: int, n: int, k: int, split_rows: int, tiles: list[tuple] | None = None) -> list[dict]:
+    """The tiles (GLUON_TILES, or ``tiles``) worth timing for ``m`` rows: BLOCK_M at the rows'
+    bucket or half of it (from 16), K splits into equal, even numbers of tiles while the blocks are
+    few (~4 waves of 132 SMs). K must be an even number of tiles (gluon_fits)."""
+    bucket = rows_block(m)
+    out = []
+    for bn, warps, bm, stages, *ws in tiles or GLUON_TILES:
+        if bm not in (bucket, max(16, bucket // 2)):
+            continue
+        blocks = -(-n // bn) * -(-m // bm)
+        for split in GLUON_SPLITS:
+            if split > 1 and (m > split_rows or (k // BLOCK_K) % (2 * split) or blocks * split > 528):
+                continue
+            out.append(dict(BLOCK_N=bn, num_warps=warps, BLOCK_M=bm, STAGES=stages, SPLIT_K=split,
+                            WS=bool(ws and ws[0])))
+    return out
+
+
+_tuned: dict[tuple, dict] = {}
+# the tuner times each tile over copies of the weight that together miss the L2 (50 MB on an
+# H200), replayed back to back from one CUDA graph, as a decode step meets them: do_bench on
+# the one weight (its L2 flushed between calls) picked tiles 15% slower a layer at 16 rows on an
+# H200 than the sweep's best (docs/BENCHMARKS.md)
+TUNE_BYTES = 256 << 20
+
+
+def graph_us(calls: list, samples: int = 5, replays: int = 3) -> float:
+    """Median µs a call of ``calls`` (compiled and tuned by a first call outside the capture),
+    replayed back to back from one CUDA graph: the median of ``samples`` timings of ``replays``
+    replays (benchmarks/quant_gpu.py times its paths so too)."""
+    for call in calls:
+        call()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for call in calls:
+            call()
+    graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(samples):
+        start.record()
+        for _ in range(replays):
+            graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / replays / len(calls) * 1e3)
+    return sorted(times)[len(times) // 2]
+
+
+def tuned_config(x: torch.Tensor, weight: QuantizedWeight, out: torch.Tensor, bias: torch.Tensor | None,
+                 ws: torch.Tensor, cnt: torch.Tensor, split_rows: int) -> dict:
+    """The fastest of gluon_configs for this shape and rows bucket, timed at first use (warm-up,
+    before CUDA-graph capture) on the call's x, over transient copies of the weight (TUNE_BYTES)."""
+    (m, k), n = x.shape, weight.shape[0]
+    key = (n, k, weight.group_size, rows_block(m), bias is not None)
+    cfg = _tuned.get(key)
+    if cfg is None:
+        assert not torch.cuda.is_current_stream_capturing(), "wq_gluon: a shape first met inside CUDA-graph capture"
+        words, sb = gluon_weight(weight)
+        copies = [(words, sb)] + [(words.clone(), sb.clone())
+                                  for _ in range(max(1, TUNE_BYTES // (words.nbytes + sb.nbytes)) - 1)]
+        timed = []
+        for c in gluon_configs(m, n, k, split_rows, GLUON_TILES + GLUON_WS_TILES):
+            calls = [lambda w=w, s=s, c=c: _launch(x, w, s, weight.group_size, out, bias, ws, cnt, c, False)
+                     for w, s in copies]
+            timed.append((graph_us(calls), len(timed), c))
+        cfg = _tuned[key] = min(timed)[2]
+        del copies
+        torch.cuda.empty_cache()
+    return cfg
