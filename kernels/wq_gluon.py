@@ -274,11 +274,21 @@ def gluon_weight(weight: QuantizedWeight) -> tuple[torch.Tensor, torch.Tensor]:
     hit = _repacked.get(key)
     if hit is not None and hit[0]() is q:
         return hit[1], hit[2]
-    assert not torch.cuda.is_current_stream_capturing(), "wq_gluon: a weight first met inside CUDA-graph capture"
+    assert not (q.is_cuda and torch.cuda.is_current_stream_capturing()), \
+        "wq_gluon: a weight first met inside CUDA-graph capture"
     words = repack_int4(q)
     sb = pack_scales(weight.scales, weight.biases)
     _repacked[key] = (weakref.ref(q), words, sb)
     return words, sb
+
+
+def kept_bytes(weight: QuantizedWeight) -> int:
+    """Bytes ``gluon_weight`` keeps beside ``weight`` (0 before it is built)."""
+    q = weight.qweight
+    hit = _repacked.get((q.data_ptr(), tuple(q.shape), weight.scales.data_ptr()))
+    if hit is None or hit[0]() is not q:
+        return 0
+    return sum(t.numel() * t.element_size() for t in hit[1:])
 
 
 def gluon_fits(x: torch.Tensor, weight: QuantizedWeight) -> bool:

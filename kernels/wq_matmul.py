@@ -44,6 +44,8 @@ prefetch of each row's tile 4 ahead (prefetch.global.L2) cost more registers tha
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from kernels import wq_gluon, wq_gluon_tune
@@ -721,7 +723,7 @@ SWAP_MAX_ROWS = {8: 128, 4: 64}
 # (first, last), by bits; GLUON = False turns it off. H200, µs a layer (docs/BENCHMARKS.md): at
 # 16 rows 53 against the swapped kernel's 96, at 64 82 against 194, at 128 128 against dense 295,
 # at 512 392 against dense 436; at 1024 901 against dense 815
-GLUON = True
+GLUON = os.environ.get("KVCASCADE_GLUON", "1") != "0"  # off: int4's bytes once on the GPU, slower at 3-512 rows
 GLUON_ROWS = {4: (3, 512)}
 
 
@@ -740,6 +742,14 @@ def _gluon_ok(weight: QuantizedWeight, rows: int, dtype: torch.dtype) -> bool:
         return False
     return (_capability(weight.device) == (9, 0) and weight.scales.dtype == torch.bfloat16
             and weight.group_size % wq_gluon.BLOCK_K == 0 and weight.shape[1] % (2 * wq_gluon.BLOCK_K) == 0)
+
+
+def prepare(weight: QuantizedWeight) -> None:
+    """What the kernels keep beside a weight, built now: the Gluon path's repacked int4 words
+    (int4's bytes a second time). Called at load (QuantizedLinearWeight.finalize), before the KV
+    pool is sized, so the pool is sized around them rather than them eating the memory left over."""
+    if _gluon_ok(weight, GLUON_ROWS[4][0], weight.scales.dtype):
+        wq_gluon.gluon_weight(weight)
 
 
 def decode_path(weight: QuantizedWeight, rows: int, dtype: torch.dtype, gluon: bool = True) -> str:

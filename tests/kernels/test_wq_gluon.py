@@ -83,6 +83,26 @@ def test_routing_takes_the_kernel_only_where_it_can_run(monkeypatch):
     assert wq_matmul.decode_path(w, 16, torch.bfloat16) != "gluon"
 
 
+def test_prepare_builds_the_repacked_copy_at_load_only_where_the_kernel_runs_and_counts_it(monkeypatch):
+    """QuantizedLinearWeight.finalize calls wq_matmul.prepare before the KV pool is sized, so the
+    repacked copy (int4's bytes again) is sized around, not taken from the memory left over."""
+    w, other = _weight(k=256), _weight(k=256)
+    wq_matmul.prepare(w)  # CPU weights: nothing kept
+    assert wq_gluon.kept_bytes(w) == 0
+    if not wq_gluon.HAS_GLUON:
+        return
+    monkeypatch.setattr(wq_matmul, "_capability", lambda device: (9, 0))
+    monkeypatch.setattr(wq_matmul, "interpreting", lambda: False)
+    monkeypatch.setattr(wq_matmul, "GLUON", False)  # KVCASCADE_GLUON=0: int4's bytes once
+    wq_matmul.prepare(w)
+    assert wq_gluon.kept_bytes(w) == 0
+    monkeypatch.setattr(wq_matmul, "GLUON", True)
+    wq_matmul.prepare(w)
+    words, sb = wq_gluon.gluon_weight(w)  # the copy prepare built, not a new one
+    assert wq_gluon.kept_bytes(w) == words.numel() * 4 + sb.numel() * sb.element_size() > 0
+    assert wq_gluon.kept_bytes(other) == 0
+
+
 def test_configs_split_only_evenly_and_within_the_workspace():
     for m in (3, 16, 64, 128, 256):
         for cfg in wq_gluon_tune.gluon_configs(m, 4096, 14336, 64):

@@ -96,11 +96,27 @@ class QuantizedLinearWeight(nn.Module):
     def nbytes(self) -> int:
         if self._cpu is not None:
             return sum(t.numel() * t.element_size() for t in self._cpu)
+        if self.qweight.is_cuda:  # with what the GPU kernels keep beside it (kernels/wq_matmul.prepare)
+            from kernels import HAS_TRITON
+
+            if HAS_TRITON:
+                from kernels.wq_gluon import kept_bytes
+
+                return self.data.nbytes() + kept_bytes(self.data)
         return self.data.nbytes()
 
     def finalize(self) -> None:
         """After loading: on CPU, build torch's packed form (the int4 one replaces the generic
-        nibbles; int8's weight is the generic one, kept for embedding lookups)."""
+        nibbles; int8's weight is the generic one, kept for embedding lookups); on a GPU, what its
+        kernels keep beside the weight (kernels/wq_matmul.prepare)."""
+        if self.qweight.device.type == "cuda":
+            from kernels import HAS_TRITON
+
+            if HAS_TRITON:  # what the GPU kernels keep beside the weight, before the KV pool is sized
+                from kernels.wq_matmul import prepare
+
+                prepare(self.data)
+            return
         if self.qweight.device.type != "cpu":
             return
         if self.bits == 8:
