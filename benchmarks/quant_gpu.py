@@ -130,7 +130,7 @@ def sweep_gluon(x: torch.Tensor, ws: list, ref: torch.Tensor, tag: str, tiles: l
     """kernels/wq_gluon.py's tiles (kernels/wq_gluon_tune.py's GLUON_TILES or ``tiles``) and K
     splits for one shape and rows, each with the wgmma groups left in flight in ``inflight``: rel_err (the output poisoned with
     NaN first: an unwritten element fails; a wrong one is located) and µs, as bench_decode times."""
-    from kernels.wq_gluon import wq_gluon
+    from kernels.wq_gluon_tune import wq_gluon
     from kernels.wq_gluon_tune import gluon_configs
     from kernels.wq_matmul import WORKSPACE_ROWS, _workspace
 

@@ -34,7 +34,6 @@ import weakref
 
 import torch
 
-from kernels._triton import pdl_launch, triton
 from kernels.wquant import QuantizedWeight, unpack_int4
 
 try:
@@ -302,41 +301,3 @@ def gluon_fits(x: torch.Tensor, weight: QuantizedWeight) -> bool:
     k = x.shape[1]
     return (weight.group_size % BLOCK_K == 0 and k % (2 * BLOCK_K) == 0 and x.stride(1) == 1
             and x.stride(0) % 8 == 0 and x.data_ptr() % 16 == 0)
-
-
-_descs: dict[tuple, object] = {}
-
-
-def wq_gluon(x: torch.Tensor, weight: QuantizedWeight, out: torch.Tensor, bias: torch.Tensor | None,
-             ws: torch.Tensor, cnt: torch.Tensor, config: dict) -> None:
-    """out = x @ W^T (+ bias) through the kernel at ``config`` (kernels/wq_gluon_tune.py's
-    dicts); ws, cnt: kernels/wq_matmul.py's split workspace (zero), for SPLIT_K > 1."""
-    words, sb = gluon_weight(weight)
-    _launch(x, words, sb, weight.group_size, out, bias, ws, cnt, config)
-
-
-def _launch(x: torch.Tensor, words: torch.Tensor, sb: torch.Tensor, group: int, out: torch.Tensor,
-            bias: torch.Tensor | None, ws: torch.Tensor, cnt: torch.Tensor, config: dict,
-            keep_desc: bool = True) -> None:
-    (m, k), n = x.shape, words.shape[0]
-    bm, warps, split = config["BLOCK_M"], config["num_warps"], config["SPLIT_K"]
-    bn = config.get("BLOCK_N", 16 * warps)
-    x_layout = gl.NVMMASharedLayout.get_default_for([bm, BLOCK_K], gl.bfloat16)
-    x_desc = TensorDescriptor(x, [m, k], [x.stride(0), 1], [bm, BLOCK_K], x_layout)
-    key = (words.data_ptr(), bn)
-    w_desc = _descs.get(key)
-    if w_desc is None or w_desc.base is not words:
-        w_layout = gl.NVMMASharedLayout.get_default_for([bn, WORDS], gl.int32)
-        w_desc = TensorDescriptor(words, list(words.shape), [words.stride(0), 1], [bn, WORDS], w_layout)
-        if keep_desc:  # the tuner's transient copies are not kept alive by the cache
-            _descs[key] = w_desc
-    grid = (triton.cdiv(n, bn), triton.cdiv(m, bm), split)
-    kernel, extra = _wq_gluon_kernel, {}
-    if config.get("WS"):
-        from kernels.wq_gluon_ws import _wq_gluon_ws_kernel as kernel
-
-        extra = dict(maxnreg=WS_MAXNREG[bm])
-    kernel[grid](x_desc, w_desc, sb, out if bias is None else bias, out, ws, cnt, m, n, k, sb.stride(0),
-                 out.stride(0), GROUP=group, HAS_BIAS=bias is not None, BLOCK_N=bn, BLOCK_M=bm,
-                 STAGES=config["STAGES"], SPLIT_K=split, num_warps=warps, INFLIGHT=config.get("INFLIGHT", 1),
-                 **(pdl_launch(x.device) if PDL else dict(USE_PDL=False, launch_pdl=False)), **extra)

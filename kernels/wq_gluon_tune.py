@@ -1,14 +1,16 @@
-"""kernels/wq_gluon.py's tiles and their tuner: the tile lists of the plain and the
+"""kernels/wq_gluon.py's tiles, their tuner and the launch: the tile lists of the plain and the
 warp-specialized kernel, the configs worth timing for a shape and rows, and the choice among them
 at first use, timed as a decode step meets the kernel (back to back from a CUDA graph, over copies
-of the weight that miss the L2)."""
+of the weight that miss the L2); ``wq_gluon`` launches either kernel (here, not in wq_gluon.py,
+which kernels/wq_gluon_ws.py imports its shared parts from)."""
 
 from __future__ import annotations
 
 import torch
 
-from kernels._triton import triton
-from kernels.wq_gluon import BLOCK_K, _launch, gluon_weight
+from kernels import wq_gluon as wq_gluon_mod
+from kernels._triton import pdl_launch, triton
+from kernels.wq_gluon import BLOCK_K, gluon_weight
 from kernels.wquant import QuantizedWeight
 
 # (BLOCK_N, num_warps, BLOCK_M, STAGES): a warpgroup owns BLOCK_N / (num_warps / 4) rows, 64 (one
@@ -101,3 +103,41 @@ def tuned_config(x: torch.Tensor, weight: QuantizedWeight, out: torch.Tensor, bi
         del copies
         torch.cuda.empty_cache()
     return cfg
+
+
+_descs: dict[tuple, object] = {}
+
+
+def wq_gluon(x: torch.Tensor, weight: QuantizedWeight, out: torch.Tensor, bias: torch.Tensor | None,
+             ws: torch.Tensor, cnt: torch.Tensor, config: dict) -> None:
+    """out = x @ W^T (+ bias) through the kernel at ``config`` (kernels/wq_gluon_tune.py's
+    dicts); ws, cnt: kernels/wq_matmul.py's split workspace (zero), for SPLIT_K > 1."""
+    words, sb = gluon_weight(weight)
+    _launch(x, words, sb, weight.group_size, out, bias, ws, cnt, config)
+
+
+def _launch(x: torch.Tensor, words: torch.Tensor, sb: torch.Tensor, group: int, out: torch.Tensor,
+            bias: torch.Tensor | None, ws: torch.Tensor, cnt: torch.Tensor, config: dict,
+            keep_desc: bool = True) -> None:
+    (m, k), n = x.shape, words.shape[0]
+    bm, warps, split = config["BLOCK_M"], config["num_warps"], config["SPLIT_K"]
+    bn = config.get("BLOCK_N", 16 * warps)
+    x_layout = wq_gluon_mod.gl.NVMMASharedLayout.get_default_for([bm, BLOCK_K], wq_gluon_mod.gl.bfloat16)
+    x_desc = wq_gluon_mod.TensorDescriptor(x, [m, k], [x.stride(0), 1], [bm, BLOCK_K], x_layout)
+    key = (words.data_ptr(), bn)
+    w_desc = _descs.get(key)
+    if w_desc is None or w_desc.base is not words:
+        w_layout = wq_gluon_mod.gl.NVMMASharedLayout.get_default_for([bn, wq_gluon_mod.WORDS], wq_gluon_mod.gl.int32)
+        w_desc = wq_gluon_mod.TensorDescriptor(words, list(words.shape), [words.stride(0), 1], [bn, wq_gluon_mod.WORDS], w_layout)
+        if keep_desc:  # the tuner's transient copies are not kept alive by the cache
+            _descs[key] = w_desc
+    grid = (triton.cdiv(n, bn), triton.cdiv(m, bm), split)
+    kernel, extra = wq_gluon_mod._wq_gluon_kernel, {}
+    if config.get("WS"):
+        from kernels.wq_gluon_ws import _wq_gluon_ws_kernel as kernel
+
+        extra = dict(maxnreg=wq_gluon_mod.WS_MAXNREG[bm])
+    kernel[grid](x_desc, w_desc, sb, out if bias is None else bias, out, ws, cnt, m, n, k, sb.stride(0),
+                 out.stride(0), GROUP=group, HAS_BIAS=bias is not None, BLOCK_N=bn, BLOCK_M=bm,
+                 STAGES=config["STAGES"], SPLIT_K=split, num_warps=warps, INFLIGHT=config.get("INFLIGHT", 1),
+                 **(pdl_launch(x.device) if wq_gluon_mod.PDL else dict(USE_PDL=False, launch_pdl=False)), **extra)

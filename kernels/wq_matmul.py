@@ -789,7 +789,7 @@ def wq_matmul(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | Non
     if path == "gluon":
         ws, cnt = _workspace(x.device, n, -(-n // 64) * -(-WORKSPACE_ROWS // 16))  # a counter a block
         cfg = config or wq_gluon_tune.tuned_config(x, weight, out, bias, ws, cnt, WORKSPACE_ROWS)
-        wq_gluon.wq_gluon(x, weight, out, bias, ws, cnt, cfg)
+        wq_gluon_tune.wq_gluon(x, weight, out, bias, ws, cnt, cfg)
         return out
     if path == "dense":  # cuBLAS on a transient dense copy (module docstring)
         return torch.nn.functional.linear(x, dequantize(weight, x.dtype), bias)

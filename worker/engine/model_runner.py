@@ -101,6 +101,9 @@ class StepInputs:
     # Under TP with the lookahead: rank 0 broadcasts this step's sampled tokens on the device
     # group after sampling them, so followers can feed the next step's ``ahead_rows``.
     share_tokens: bool = False
+    # Per scheduled sequence, whether its chunk is a verification (its last token and drafts): the
+    # torch backend attends its rows as decodes (worker/models/attention.py). None: none is.
+    verify: list[bool] | None = None
 
 
 @dataclass
@@ -188,8 +191,10 @@ class ModelRunner:
             prompt.counts.append(_prompt_rows(seq, start, n, query_start[-2], prompt))
         # The scheduler puts single-token steps first; the backend batches that run as decodes.
         num_decodes = next((i for i, it in enumerate(batch) if it.num_new_tokens != 1), len(batch))
+        verify = [bool(item.draft) for item in batch]
         return StepInputs(input_ids, positions, slots, query_start, context_lens, block_tables, num_decodes,
-                          sample_rows, ahead_rows or None, prev_rows or None, prompt if prompt.rows else None)
+                          sample_rows, ahead_rows or None, prev_rows or None, prompt if prompt.rows else None,
+                          verify=verify if any(verify) else None)
 
     @torch.inference_mode()
     def launch(self, inputs: StepInputs, samplers: list, prev_tokens: torch.Tensor | None = None) -> "PendingTokens":
@@ -274,6 +279,7 @@ class ModelRunner:
             num_decodes=inputs.num_decodes,
             kv_caches=self.kv_caches,
             backend=self.backend,
+            verify=inputs.verify,
         )
         self.backend.prepare(meta, self.device)
         meta.extra["decode_store_first"] = inputs.store_first

@@ -52,6 +52,9 @@ class AttentionMetadata:
     # the model, so one loaded model can serve several engines.
     kv_caches: list[LayerKV] = field(default_factory=list)
     backend: "AttentionBackend | None" = None  # likewise: the engine's choice, not the model's
+    # Per sequence, whether its chunk is a speculative verification (its last token and drafts);
+    # None: no sequence's is. The torch backend attends such rows as the decodes they stand for.
+    verify: list[bool] | None = None
     # Backend-specific tensors built once per step (not once per layer).
     extra: dict[str, object] = field(default_factory=dict)
 
@@ -102,19 +105,17 @@ class AttentionBackend:
         raise NotImplementedError
 
 
-ROW_CHUNK_MAX = 17  # a chunk this short that continues a sequence (a verification: 1 + k <= 17) runs as rows
-
-
 class TorchAttentionBackend(AttentionBackend):
     """Plain torch: gathers each sequence's K/V from its blocks and calls SDPA.
 
-    Every decode, and every row of a short chunk that continues a sequence (a speculative
-    verification: the last token and k drafts), attends as a row of its own over exactly its
-    context, rows of equal context batched, none padded. So a row's result never depends on what
-    else the step holds: a verification's rows get the bits the plain decodes they stand for would
-    (greedy speculation then emits the plain run's tokens also where activations are rounded to
-    bf16, as before packed matmuls), and a request decodes alike whatever it is batched with (a
-    padded batch changes CPU SDPA's float32 sums). Other prefill chunks go one sequence at a time.
+    Every decode, and every row of a speculative verification (a sequence's last token and its
+    drafts, ``meta.verify``), attends as a row of its own over exactly its context, rows of equal
+    context batched, none padded. So a decode's result never depends on what else the step holds (a
+    padded batch changes CPU SDPA's float32 sums), and a verification's rows get the bits of the
+    plain decodes they stand for (greedy speculation then emits the plain run's tokens also where
+    activations are rounded to bf16, as before packed matmuls). Prefill chunks go one sequence at a
+    time, causal with their prefix's offset: a row gets the same bits however its prompt was
+    chunked or served from the prefix cache (as rows alone it would not).
     """
 
     name = "torch"
@@ -127,7 +128,7 @@ class TorchAttentionBackend(AttentionBackend):
             start = meta.query_start[i]
             q_len = meta.query_start[i + 1] - start
             slots = _slots_of(meta.block_tables[i], ctx, bs)
-            if i < meta.num_decodes or (ctx > q_len and q_len <= ROW_CHUNK_MAX):
+            if i < meta.num_decodes or (meta.verify is not None and meta.verify[i]):
                 for j in range(q_len):  # row j sees the sequence's first ctx - q_len + j + 1 tokens
                     seen = ctx - q_len + j + 1
                     rows, group = by_ctx.setdefault(seen, ([], []))
