@@ -115,6 +115,26 @@ CHECK = r'''
 import re, subprocess, os, tempfile
 
 
+def writes_in_flight(events):
+    """The writes among ``events`` (the loop's, run twice) to an A register of a wgmma group still
+    in flight: ("mma", registers, commits) adds an instruction's A registers to the pending group
+    (``commits``: and commits it), ("commit",) commits it, ("wait", n) retires all but the newest n
+    groups, ("write", register, text) writes a register."""
+    flying, pending, bad = [], set(), []
+    for event in events * 2:
+        if event[0] == "mma":
+            pending |= event[1]
+            if event[2]:
+                flying, pending = flying + [pending], set()
+        elif event[0] == "commit":
+            flying, pending = flying + [pending], set()
+        elif event[0] == "wait":
+            flying = flying[len(flying) - event[1]:] if event[1] else []
+        elif any(event[1] in g for g in flying):
+            bad.append(event[2])
+    return bad
+
+
 def inflight_writes(ptx):
     """Writes to the A registers of a wgmma still in flight, over the main loop run twice (its
     back edge): a wgmma reads them until the wait that retires it (the PTX ISA: undefined
@@ -122,21 +142,19 @@ def inflight_writes(ptx):
     head = re.search(r"^(\$L__BB\d+_\d+):.*Inner Loop Header", ptx, re.M)
     body = ptx[head.end():]
     body = body[:re.search(r"bra(\.uni)?\s+" + re.escape(head.group(1)) + ";", body).start()]
-    lines = [l.strip() for l in body.splitlines() if l.strip() and not l.strip().startswith("//")]
-    flying, pending, bad = [], set(), []
-    for line in lines * 2:
+    events = []
+    for line in (l.strip() for l in body.splitlines()):
+        if not line or line.startswith("//"):
+            continue
         if line.startswith("wgmma.mma_async"):
-            pending |= set(re.findall(r"%r\d+", re.findall(r"\{([^}]*)\}", line)[1]))
+            events.append(("mma", set(re.findall(r"%r\d+", re.findall(r"\{([^}]*)\}", line)[1])), False))
         elif line.startswith("wgmma.commit_group"):
-            flying, pending = flying + [pending], set()
+            events.append(("commit",))
         elif line.startswith("wgmma.wait_group"):
-            n = int(re.search(r"aligned (\d+)", line).group(1))
-            flying = flying[len(flying) - n:] if n else []
-        else:
-            m = re.match(r"^(?:@%p\d+ )?[a-z][\w.:]*\s+(%r\d+)\b", line)
-            if m and any(m.group(1) in g for g in flying):
-                bad.append(line)
-    return bad
+            events.append(("wait", int(re.search(r"aligned (\d+)", line).group(1))))
+        elif m := re.match(r"^(?:@%p\d+ )?[a-z][\w.:]*\s+(%r\d+)\b", line):
+            events.append(("write", m.group(1), line))
+    return writes_in_flight(events)
 
 
 import triton
@@ -155,21 +173,16 @@ def sass_inflight_writes(sass):
     backs = [l for l in lines if re.search(r"BRA 0x", l) and target(l) < addr(l)]
     back = max(backs, key=lambda b: sum("HGMMA" in l for l in span(b)))  # the main loop
     body = [re.sub(r"^\s*/\*[0-9a-f]+\*/\s+(@!?U?P\w+\s+)?", "", l).split(";")[0] for l in span(back)]
-    flying, pending, bad = [], set(), []
-    for op in body * 2:
+    events = []
+    for op in body:
         if op.startswith("HGMMA"):
             a = re.match(r"HGMMA\S*\s+R\d+,\s+R(\d+),", op)
-            pending |= {f"R{int(a.group(1)) + j}" for j in range(4)} if a else set()
-            if "gsb0" in op:
-                flying, pending = flying + [pending], set()
+            events.append(("mma", {f"R{int(a.group(1)) + j}" for j in range(4)} if a else set(), "gsb0" in op))
         elif op.startswith("WARPGROUP.DEPBAR"):
-            n = int(re.search(r"0x([0-9a-f]+)", op).group(1), 16)
-            flying = flying[len(flying) - n:] if n else []
-        else:
-            m = re.match(r"^[A-Z][\w.]*\s+(R\d+)\b", op)
-            if m and any(m.group(1) in g for g in flying):
-                bad.append(op)
-    return bad
+            events.append(("wait", int(re.search(r"0x([0-9a-f]+)", op).group(1), 16)))
+        elif m := re.match(r"^[A-Z][\w.]*\s+(R\d+)\b", op):
+            events.append(("write", m.group(1), op))
+    return writes_in_flight(events)
 
 
 bin_dir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")

@@ -109,15 +109,13 @@ class QuantizedLinearWeight(nn.Module):
         """After loading: on CPU, build torch's packed form (the int4 one replaces the generic
         nibbles; int8's weight is the generic one, kept for embedding lookups); on a GPU, what its
         kernels keep beside the weight (kernels/wq_matmul.prepare)."""
-        if self.qweight.device.type == "cuda":
+        if self.qweight.device.type != "cpu":
             from kernels import HAS_TRITON
 
-            if HAS_TRITON:  # what the GPU kernels keep beside the weight, before the KV pool is sized
+            if self.qweight.is_cuda and HAS_TRITON:  # before the KV pool is sized
                 from kernels.wq_matmul import prepare
 
                 prepare(self.data)
-            return
-        if self.qweight.device.type != "cpu":
             return
         if self.bits == 8:
             self._cpu = (self.qweight, self.scales.squeeze(1).to(torch.bfloat16).contiguous())
