@@ -172,8 +172,9 @@ def bench_decode(ceilings: dict, rows_list: list[int], sweep: bool, swap_sweep: 
     enough weight copies to miss the L2; with ``sweep`` the GEMV's tiles and splits at 1 row, and
     at the rows in ``swap_sweep`` the swapped kernel's (swap_sweep_configs); ``only``: these paths
     (and bf16, chosen)."""
-    from kernels.wq_gluon import gluon_fits
-    from kernels.wq_matmul import DECODE_MAX_ROWS, GEMV_MAX_ROWS, GEMV_SPLITS, GEMV_TILES, decode_path, wq_matmul
+    from kernels.wq_gluon import gluon_fits, tile_weight
+    from kernels.wq_matmul import (DECODE_MAX_ROWS, GEMV_MAX_ROWS, GEMV_SPLITS, GEMV_TILES, GLUON_ROWS, decode_path,
+                                   tiles_fit, wq_matmul)
     from kernels.wquant import quantize
     from worker.models.parallel_layers import linear
 
@@ -192,6 +193,8 @@ def bench_decode(ceilings: dict, rows_list: list[int], sweep: bool, swap_sweep: 
             formats[f"int{bits}"] = [q] + [type(q)(q.qweight.clone(), q.scales.clone(),
                                                  None if q.biases is None else q.biases.clone(), bits, 128)
                                            for _ in range(cp - 1)]
+            if bits == 4 and tiles_fit(q):  # the engine's form on sm_90 (kernels/wq_matmul.prepare)
+                formats["int4t"] = [tile_weight(c) for c in formats["int4"]]
         for rows in rows_list:
             x = torch.randn(rows, k, device=dev, dtype=torch.bfloat16)
             for fmt, ws in formats.items():
@@ -201,9 +204,13 @@ def bench_decode(ceilings: dict, rows_list: list[int], sweep: bool, swap_sweep: 
                 else:
                     ref = x.float() @ ws[0].dequantize().t()
                     paths = {}
-                    names = (["gemv"] if rows <= GEMV_MAX_ROWS else []) + (["dequant"] if rows <= DECODE_MAX_ROWS else [])
-                    names += ["gluon"] if gluon_fits(x, ws[0]) and rows >= 2 else []
-                    for p in names + ["swapped", "dense"]:
+                    if fmt == "int4t":  # tiled: the Gluon kernel and dequantize + cuBLAS only
+                        names = ["gluon"] if rows <= GLUON_ROWS[4][1] else []
+                    else:
+                        names = (["gemv"] if rows <= GEMV_MAX_ROWS else []) + (["dequant"] if rows <= DECODE_MAX_ROWS else [])
+                        names += ["gluon"] if gluon_fits(x, ws[0]) and rows >= 2 else []
+                        names += ["swapped"]
+                    for p in names + ["dense"]:
                         if only and p not in only:
                             continue
                         fns = [lambda w=w, p=p: wq_matmul(x, w, path=p) for w in ws]
@@ -219,7 +226,7 @@ def bench_decode(ceilings: dict, rows_list: list[int], sweep: bool, swap_sweep: 
                     out[f"{name}/{rows}/{fmt}/{p}"] = {"us": us, "bytes": nbytes, "floor_us": nbytes / bw * 1e6}
                     print(f"{name:<13}{rows:>5} {fmt:<5}{p:<8}{us:>9.1f} us  floor {nbytes / bw * 1e6:>7.1f} us  "
                           f"{nbytes / us / 1e6:>6.2f} TB/s", flush=True)
-                if rows in swap_sweep and fmt != "bf16":
+                if rows in swap_sweep and fmt in ("int8", "int4"):
                     best = None
                     for cfg in swap_sweep_configs(rows, ws[0].bits):
                         try:
@@ -238,9 +245,9 @@ def bench_decode(ceilings: dict, rows_list: list[int], sweep: bool, swap_sweep: 
                     if best:
                         out[f"{name}/{rows}/{fmt}/swap-best"] = {"us": best[0], "config": best[1]}
                         print(f"  swap sweep {name} {rows} {fmt}: best {best[0]:.1f} us at {best[1]}", flush=True)
-                if rows in gluon_sweep and fmt != "bf16" and gluon_fits(x, ws[0]):
+                if rows in gluon_sweep and fmt in ("int8", "int4") and gluon_fits(x, ws[0]):
                     out.update(sweep_gluon(x, ws, ref, f"{name}/{rows}/{fmt}", gluon_tiles, gluon_inflight))
-                if sweep and fmt != "bf16" and rows == 1:
+                if sweep and fmt in ("int8", "int4") and rows == 1:
                     best = None
                     for bn, kw, warps in GEMV_TILES[ws[0].bits]:
                         for splits in GEMV_SPLITS:
@@ -274,7 +281,7 @@ def print_decode_table(res: dict, rows_list: list[int]) -> None:
             if p in found] + ["chosen"]
     print(f"\n{'rows':>5} {'fmt':<5}" + "".join(f"{p:>10}" for p in cols) + "   (us a layer)")
     for rows in rows_list:
-        for fmt in ("int8", "int4"):
+        for fmt in ("int8", "int4", "int4t"):
             cells = []
             for p in cols:
                 key = "bf16" if p == "bf16" else fmt

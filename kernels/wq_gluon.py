@@ -20,9 +20,11 @@ thread's 32 columns of a row in a tile are stored as the 4 words 4c..4c + 3 of t
 natural order, so TMA stages it as it lies. Scales and biases go in one int32 a group (``pack_scales``:
 bf16 s low, b high).
 
-The repacked words are kept beside the weight (``gluon_weight``: a cache keyed by the packed
-tensor, built at first use, i.e. the engine's warm-up): int4 qweight's bytes twice on the GPU.
-Tiles (this kernel's and the warp-specialized one's, kernels/wq_gluon_ws.py) are timed per shape
+Where this kernel runs, the repacked form is the weight's only form on the GPU (a ``TiledWeight``,
+built at load by kernels/wq_matmul.prepare in place of the natural nibbles): the Gluon kernel
+takes 1-512 rows of x, and above that one pass dequantizes the tiles for cuBLAS
+(kernels/wq_matmul.py). ``gluon_weight`` builds the same form of a natural QuantizedWeight once
+and keeps it beside it (benchmarks and tests that time the paths side by side). Tiles (this kernel's and the warp-specialized one's, kernels/wq_gluon_ws.py) are timed per shape
 and rows bucket at first use, from a CUDA graph over copies of the weight that miss the L2
 (kernels/wq_gluon_tune.py).
 """
@@ -31,6 +33,7 @@ from __future__ import annotations
 
 import os
 import weakref
+from dataclasses import dataclass
 
 import torch
 
@@ -86,6 +89,39 @@ def pack_scales(scales: torch.Tensor, biases: torch.Tensor) -> torch.Tensor:
     s = scales.to(torch.bfloat16).contiguous().view(torch.int16).to(torch.int32) & 0xFFFF
     b = biases.to(torch.bfloat16).contiguous().view(torch.int16).to(torch.int32)
     return s | (b << 16)
+
+
+@dataclass(frozen=True, eq=False)
+class TiledWeight:
+    """An int4 weight in this kernel's form: ``words`` int32 [N, K // 8] (INT4_TILE_ORDER per 128
+    columns) and ``sb`` int32 [N, K // group] (``pack_scales``). Stands where a QuantizedWeight
+    does for kernels/wq_matmul.wq_matmul (shape, bits, group_size, device, nbytes, dequantize)."""
+
+    words: torch.Tensor
+    sb: torch.Tensor
+    group_size: int
+    bits = 4
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.words.shape[0], self.words.shape[1] * 8
+
+    @property
+    def device(self) -> torch.device:
+        return self.words.device
+
+    def nbytes(self) -> int:
+        return self.words.numel() * 4 + self.sb.numel() * 4
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The float weight [N, K] (computed in float32), as QuantizedWeight.dequantize."""
+        return dequantize_repacked(self.words, self.sb, self.group_size).to(dtype)
+
+
+def tile_weight(weight: QuantizedWeight) -> TiledWeight:
+    """``weight`` (int4, bf16 scales, groups of whole tiles) in this kernel's form."""
+    assert weight.bits == 4 and weight.group_size % BLOCK_K == 0, (weight.bits, weight.group_size)
+    return TiledWeight(repack_int4(weight.qweight), pack_scales(weight.scales, weight.biases), weight.group_size)
 
 
 def dequantize_repacked(words: torch.Tensor, sb: torch.Tensor, group: int) -> torch.Tensor:
@@ -265,39 +301,35 @@ WS_MAXNREG = {16: 64, 32: 80, 64: 80}  # the warp-specialized kernel's register 
 _repacked: dict[tuple, tuple] = {}
 
 
-def gluon_weight(weight: QuantizedWeight) -> tuple[torch.Tensor, torch.Tensor]:
-    """``weight``'s repacked words and packed scales, built at first use and kept while its
-    qweight lives (the model's buffers: the same tensor each call)."""
+def gluon_weight(weight: QuantizedWeight | TiledWeight) -> TiledWeight:
+    """``weight`` in this kernel's form: a TiledWeight as it is; a natural QuantizedWeight's
+    repacked once and kept while its qweight lives (a cache keyed by the packed tensor)."""
+    if isinstance(weight, TiledWeight):
+        return weight
     q = weight.qweight
     key = (q.data_ptr(), tuple(q.shape), weight.scales.data_ptr())
     hit = _repacked.get(key)
     if hit is not None and hit[0]() is q:
-        return hit[1], hit[2]
+        return hit[1]
     assert not (q.is_cuda and torch.cuda.is_current_stream_capturing()), \
         "wq_gluon: a weight first met inside CUDA-graph capture"
-    words = repack_int4(q)
-    sb = pack_scales(weight.scales, weight.biases)
-    _repacked[key] = (weakref.ref(q), words, sb)
-    return words, sb
+    tiled = tile_weight(weight)
+    _repacked[key] = (weakref.ref(q), tiled)
+    return tiled
 
 
-def kept_bytes(weight: QuantizedWeight) -> int:
-    """Bytes ``gluon_weight`` keeps beside ``weight`` (0 before it is built)."""
-    q = weight.qweight
-    hit = _repacked.get((q.data_ptr(), tuple(q.shape), weight.scales.data_ptr()))
-    if hit is None or hit[0]() is not q:
-        return 0
-    return sum(t.numel() * t.element_size() for t in hit[1:])
-
-
-def gluon_fits(x: torch.Tensor, weight: QuantizedWeight) -> bool:
+def gluon_fits(x: torch.Tensor, weight: QuantizedWeight | TiledWeight) -> bool:
     """Whether the kernel takes this call: Gluon on an sm_90 GPU, bf16 x and scales, int4 in
     groups of whole tiles, an even number of tiles along K (two a loop iteration), and x as TMA
     reads it (rows 16-byte aligned)."""
     if not (HAS_GLUON and x.is_cuda and x.dtype == torch.bfloat16 and weight.bits == 4):
         return False
-    if torch.cuda.get_device_capability(x.device) != (9, 0) or weight.scales.dtype != torch.bfloat16:
+    tiled = isinstance(weight, TiledWeight)
+    if torch.cuda.get_device_capability(x.device) != (9, 0) or not (tiled or weight.scales.dtype == torch.bfloat16):
         return False
-    k = x.shape[1]
-    return (weight.group_size % BLOCK_K == 0 and k % (2 * BLOCK_K) == 0 and x.stride(1) == 1
-            and x.stride(0) % 8 == 0 and x.data_ptr() % 16 == 0)
+    return x_fits(x) and weight.group_size % BLOCK_K == 0 and x.shape[1] % (2 * BLOCK_K) == 0
+
+
+def x_fits(x: torch.Tensor) -> bool:
+    """x as the kernel's TMA descriptor reads it: unit column stride, rows 16-byte aligned."""
+    return x.stride(1) == 1 and x.stride(0) % 8 == 0 and x.data_ptr() % 16 == 0

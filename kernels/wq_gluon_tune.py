@@ -10,8 +10,7 @@ import torch
 
 from kernels import wq_gluon as wq_gluon_mod
 from kernels._triton import pdl_launch, triton
-from kernels.wq_gluon import BLOCK_K, gluon_weight
-from kernels.wquant import QuantizedWeight
+from kernels.wq_gluon import BLOCK_K, TiledWeight
 
 # (BLOCK_N, num_warps, BLOCK_M, STAGES): a warpgroup owns BLOCK_N / (num_warps / 4) rows, 64 (one
 # wgmma M) or 128 (two, which halves the loop's per-tile instructions a weight: 2.8 against 3.3 in
@@ -82,7 +81,7 @@ def graph_us(calls: list, samples: int = 5, replays: int = 3) -> float:
     return sorted(times)[len(times) // 2]
 
 
-def tuned_config(x: torch.Tensor, weight: QuantizedWeight, out: torch.Tensor, bias: torch.Tensor | None,
+def tuned_config(x: torch.Tensor, weight: TiledWeight, out: torch.Tensor, bias: torch.Tensor | None,
                  ws: torch.Tensor, cnt: torch.Tensor, split_rows: int) -> dict:
     """The fastest of gluon_configs for this shape and rows bucket, timed at first use (warm-up,
     before CUDA-graph capture) on the call's x, over transient copies of the weight (TUNE_BYTES)."""
@@ -91,7 +90,7 @@ def tuned_config(x: torch.Tensor, weight: QuantizedWeight, out: torch.Tensor, bi
     cfg = _tuned.get(key)
     if cfg is None:
         assert not torch.cuda.is_current_stream_capturing(), "wq_gluon: a shape first met inside CUDA-graph capture"
-        words, sb = gluon_weight(weight)
+        words, sb = weight.words, weight.sb
         copies = [(words, sb)] + [(words.clone(), sb.clone())
                                   for _ in range(max(1, TUNE_BYTES // (words.nbytes + sb.nbytes)) - 1)]
         timed = []
@@ -108,12 +107,11 @@ def tuned_config(x: torch.Tensor, weight: QuantizedWeight, out: torch.Tensor, bi
 _descs: dict[tuple, object] = {}
 
 
-def wq_gluon(x: torch.Tensor, weight: QuantizedWeight, out: torch.Tensor, bias: torch.Tensor | None,
+def wq_gluon(x: torch.Tensor, weight: TiledWeight, out: torch.Tensor, bias: torch.Tensor | None,
              ws: torch.Tensor, cnt: torch.Tensor, config: dict) -> None:
     """out = x @ W^T (+ bias) through the kernel at ``config`` (kernels/wq_gluon_tune.py's
     dicts); ws, cnt: kernels/wq_matmul.py's split workspace (zero), for SPLIT_K > 1."""
-    words, sb = gluon_weight(weight)
-    _launch(x, words, sb, weight.group_size, out, bias, ws, cnt, config)
+    _launch(x, weight.words, weight.sb, weight.group_size, out, bias, ws, cnt, config)
 
 
 def _launch(x: torch.Tensor, words: torch.Tensor, sb: torch.Tensor, group: int, out: torch.Tensor,

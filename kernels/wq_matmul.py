@@ -15,9 +15,12 @@ Paths by rows of x (decode_path; the crossovers were measured on an H200):
   tile right behind the load, and took 245 registers (now 168) for int4's 8 rows. Few output
   blocks split K (SPLITS): the splits add into an fp32 workspace and the last one writes the
   output and zeroes it again, so no extra launch, and nothing allocated per call (CUDA graphs).
-- int4, bf16, on sm_90, GLUON_ROWS (3-512): kernels/wq_gluon.py, the swapped kernel's idea in
-  Gluon with the wgmma chain kept asynchronous across K tiles and a repacked copy of the weight
-  (built at first use); GLUON = False turns it off.
+- int4, bf16, on sm_90: kernels/wq_gluon.py, the swapped kernel's idea in Gluon with the wgmma
+  chain kept asynchronous across K tiles, on the weight repacked into wgmma's fragment order. The
+  engine's weights are repacked at load (``prepare``: a TiledWeight, int4's only form there), and
+  take the Gluon kernel from 1 row to GLUON_ROWS' last (512), dequantize + cuBLAS above; a natural
+  weight (benchmarks, tests) takes it at GLUON_ROWS (3-512) through a repacked copy kept beside
+  it. GLUON = False (KVCASCADE_GLUON=0) turns it off: natural weights, the paths below.
 - up to SWAP_MAX_ROWS rows: the swapped kernel, out^T = W x^T. The weight tile is the dot's first
   operand, which Hopper's wgmma takes from registers (its second only from shared memory), so the
   unpacked tile goes straight from registers into the tensor cores; each K tile is one group (or
@@ -50,6 +53,7 @@ import torch
 
 from kernels import wq_gluon, wq_gluon_tune
 from kernels._triton import _cuda_capability, check_launchable, interpreting, jit, pdl_launch, tl, triton, wait_for_producer
+from kernels.wq_gluon import TiledWeight
 from kernels.wquant import QuantizedWeight
 
 DECODE_MAX_ROWS = 16
@@ -528,8 +532,44 @@ def _dequantize_block_k(group: int, k: int) -> int:
     return block_k
 
 
-def dequantize(weight: QuantizedWeight, dtype: torch.dtype) -> torch.Tensor:
+@jit
+def _dequantize_tiles_kernel(w_ptr, sb_ptr, out_ptr, N, stride_wn, stride_sn, stride_on, TPG: tl.constexpr,
+                             BLOCK_N: tl.constexpr, USE_PDL: tl.constexpr):
+    """One [BLOCK_N, 128] tile of W = q s + b from kernels/wq_gluon.py's tiled form (TiledWeight):
+    a row's 16 words of the tile, word 4 c + i's nibble s + 4 e holding column 32 i + 8 s + 2 c + e
+    (INT4_TILE_ORDER), and (s, b) packed in one int32 a group (TPG tiles a group). Computed in
+    float32, q s + b, as QuantizedWeight.dequantize."""
+    wait_for_producer(USE_PDL)
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows = tl.minimum(offs_n, N - 1).to(tl.int64)  # rows past N read row N - 1 (never stored)
+    tile = tl.program_id(1)
+    four = tl.arange(0, 4)
+    words = tl.load(w_ptr + rows[:, None, None] * stride_wn + tile * 16 + (4 * four[:, None] + four[None, :])[None, :, :])
+    sb = tl.load(sb_ptr + rows * stride_sn + tile // TPG)
+    s = (sb << 16).to(tl.float32, bitcast=True)[:, None, None]
+    b = (sb & -65536).to(tl.float32, bitcast=True)[:, None, None]
+    v0 = tl.join(((words >> 0) & 0xF).to(tl.float32) * s + b, ((words >> 16) & 0xF).to(tl.float32) * s + b)
+    v1 = tl.join(((words >> 4) & 0xF).to(tl.float32) * s + b, ((words >> 20) & 0xF).to(tl.float32) * s + b)
+    v2 = tl.join(((words >> 8) & 0xF).to(tl.float32) * s + b, ((words >> 24) & 0xF).to(tl.float32) * s + b)
+    v3 = tl.join(((words >> 12) & 0xF).to(tl.float32) * s + b, ((words >> 28) & 0xF).to(tl.float32) * s + b)
+    t = tl.join(tl.join(v0, v1), tl.join(v2, v3))  # [n, c, i, e, s0, s1]: s = s0 + 2 s1
+    t = tl.reshape(tl.permute(t, (0, 2, 5, 4, 1, 3)), [BLOCK_N, 128])  # column 32 i + 16 s1 + 8 s0 + 2 c + e
+    offs_k = tile * 128 + tl.arange(0, 128)
+    tl.store(out_ptr + offs_n[:, None].to(tl.int64) * stride_on + offs_k[None, :], t.to(out_ptr.dtype.element_ty),
+             mask=(offs_n < N)[:, None])
+
+
+def dequantize(weight: QuantizedWeight | TiledWeight, dtype: torch.dtype) -> torch.Tensor:
     """``weight.dequantize(dtype)`` in one pass on the device: [N, K] in ``dtype``."""
+    if isinstance(weight, TiledWeight):
+        check_launchable(weight.words)
+        n, k = weight.shape
+        out = torch.empty(n, k, dtype=dtype, device=weight.device)
+        block_n = 32
+        _dequantize_tiles_kernel[(triton.cdiv(n, block_n), k // wq_gluon.BLOCK_K)](
+            weight.words, weight.sb, out, n, weight.words.stride(0), weight.sb.stride(0), out.stride(0),
+            TPG=weight.group_size // wq_gluon.BLOCK_K, BLOCK_N=block_n, **pdl_launch(weight.device))
+        return out
     check_launchable(weight.qweight)
     n, k = weight.shape
     g = weight.group_size
@@ -723,7 +763,7 @@ SWAP_MAX_ROWS = {8: 128, 4: 64}
 # (first, last), by bits; GLUON = False turns it off. H200, µs a layer (docs/BENCHMARKS.md): at
 # 16 rows 53 against the swapped kernel's 96, at 64 82 against 194, at 128 128 against dense 295,
 # at 512 392 against dense 436; at 1024 901 against dense 815
-GLUON = os.environ.get("KVCASCADE_GLUON", "1") != "0"  # off: int4's bytes once on the GPU, slower at 3-512 rows
+GLUON = os.environ.get("KVCASCADE_GLUON", "1") != "0"  # off: natural weights, slower at 1-512 rows
 GLUON_ROWS = {4: (3, 512)}
 
 
@@ -734,28 +774,36 @@ def _capability(device: torch.device) -> tuple[int, int] | None:
     return _cuda_capability(device.index if device.index is not None else torch.cuda.current_device())
 
 
-def _gluon_ok(weight: QuantizedWeight, rows: int, dtype: torch.dtype) -> bool:
-    """Whether the Gluon kernel takes this call: sm_90 (wgmma), bf16, int4 in groups of whole
-    128-column tiles, an even number of them (x's alignment for TMA is checked at the launch)."""
-    lo, hi = GLUON_ROWS.get(weight.bits, (1, 0))
-    if not (GLUON and wq_gluon.HAS_GLUON and lo <= rows <= hi and dtype == torch.bfloat16) or interpreting():
+def tiles_fit(weight: QuantizedWeight) -> bool:
+    """Whether the Gluon kernel can run this weight (and so it is kept in its tiled form): sm_90
+    (wgmma), int4 with bf16 scales in groups of whole 128-column tiles, an even number of them."""
+    if not (GLUON and wq_gluon.HAS_GLUON and weight.bits == 4) or interpreting():
         return False
     return (_capability(weight.device) == (9, 0) and weight.scales.dtype == torch.bfloat16
             and weight.group_size % wq_gluon.BLOCK_K == 0 and weight.shape[1] % (2 * wq_gluon.BLOCK_K) == 0)
 
 
-def prepare(weight: QuantizedWeight) -> None:
-    """What the kernels keep beside a weight, built now: the Gluon path's repacked int4 words
-    (int4's bytes a second time). Called at load (QuantizedLinearWeight.finalize), before the KV
-    pool is sized, so the pool is sized around them rather than them eating the memory left over."""
-    if _gluon_ok(weight, GLUON_ROWS[4][0], weight.scales.dtype):
-        wq_gluon.gluon_weight(weight)
+def _gluon_ok(weight: QuantizedWeight, rows: int, dtype: torch.dtype) -> bool:
+    """Whether the Gluon kernel takes this call of a natural weight (x's alignment for TMA is
+    checked at the launch)."""
+    lo, hi = GLUON_ROWS.get(weight.bits, (1, 0))
+    return lo <= rows <= hi and dtype == torch.bfloat16 and tiles_fit(weight)
 
 
-def decode_path(weight: QuantizedWeight, rows: int, dtype: torch.dtype, gluon: bool = True) -> str:
+def prepare(weight: QuantizedWeight) -> TiledWeight | None:
+    """The weight's form for this device's kernels, built at load (QuantizedLinearWeight.finalize)
+    before the KV pool is sized: where the Gluon kernel runs, the tiled form (kernels/wq_gluon.py),
+    which then replaces the natural nibbles (int4's bytes once); else None (the natural form)."""
+    return wq_gluon.tile_weight(weight) if tiles_fit(weight) else None
+
+
+def decode_path(weight: QuantizedWeight | TiledWeight, rows: int, dtype: torch.dtype, gluon: bool = True) -> str:
     """Which kernel takes ``rows`` rows of x: "gemv", "gluon" (kernels/wq_gluon.py), "swapped",
     "dequant" (the older decode kernel, up to DECODE_MAX_ROWS) or "dense" (dequantize + cuBLAS);
-    module docstring."""
+    module docstring. A tiled weight has two: the Gluon kernel from 1 row to GLUON_ROWS' last,
+    dequantize + cuBLAS above (and for x of another dtype)."""
+    if isinstance(weight, TiledWeight):
+        return "gluon" if gluon and rows <= GLUON_ROWS[4][1] and dtype == torch.bfloat16 else "dense"
     k = weight.shape[1]
     # float32 activations stay on the tensor cores (the GEMV takes them exactly, but was not timed so)
     if rows <= GEMV_ROWS[weight.bits] and dtype != torch.float32 and _gemv_words(weight, k) is not None:
@@ -767,32 +815,40 @@ def decode_path(weight: QuantizedWeight, rows: int, dtype: torch.dtype, gluon: b
     return "dequant" if rows <= DECODE_MAX_ROWS else "dense"
 
 
-def wq_matmul(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None = None,
+def wq_matmul(x: torch.Tensor, weight: QuantizedWeight | TiledWeight, bias: torch.Tensor | None = None,
               config: dict | None = None, path: str | None = None) -> torch.Tensor:
     """``F.linear(x, weight.dequantize(x.dtype), bias)``: x [M, K] -> [M, N]. ``path`` ("gemv",
     "gluon", "swapped", "dequant", "dense") and ``config`` (the kernel's tile: BLOCK_N and BLOCK_KW,
     SPLITS for the GEMV; num_warps, BLOCK_M, STAGES, SPLIT_K for gluon; BLOCK_N, BLOCK_M, SPLIT_K,
     PERM, XSUM_DOT for the swapped kernel; BLOCK_M, BLOCK_N, BLOCK_K for dequant; num_warps,
-    num_stages) override the choice (sweeps, tests)."""
-    check_launchable(x, weight.qweight)
+    num_stages) override the choice (sweeps, tests). A TiledWeight takes "gluon" or "dense" only."""
+    tiled = isinstance(weight, TiledWeight)
+    check_launchable(x, weight.words if tiled else weight.qweight)
     m, k = x.shape
     n = weight.shape[0]
-    assert weight.shape[1] == k and x.stride(1) == 1 and weight.qweight.stride(1) == 1
-    assert weight.scales.stride(1) == 1 and (weight.biases is None or weight.biases.stride() == weight.scales.stride())
+    assert weight.shape[1] == k and x.stride(1) == 1
+    assert tiled or (weight.qweight.stride(1) == 1 and weight.scales.stride(1) == 1
+                     and (weight.biases is None or weight.biases.stride() == weight.scales.stride()))
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m == 0:
         return out
     if path is None:
         path = decode_path(weight, m, x.dtype)
-        if path == "gluon" and not wq_gluon.gluon_fits(x, weight):  # x as TMA cannot read it
-            path = decode_path(weight, m, x.dtype, gluon=False)
+        if path == "gluon" and not wq_gluon.x_fits(x):  # x as TMA cannot read it
+            if tiled:  # no other kernel below 512 rows: an aligned copy of x
+                x = x.clone(memory_format=torch.contiguous_format)
+            else:
+                path = decode_path(weight, m, x.dtype, gluon=False)
     if path == "gluon":
+        assert wq_gluon.gluon_fits(x, weight), "wq_matmul: the Gluon kernel cannot take this call"
         ws, cnt = _workspace(x.device, n, -(-n // 64) * -(-WORKSPACE_ROWS // 16))  # a counter a block
-        cfg = config or wq_gluon_tune.tuned_config(x, weight, out, bias, ws, cnt, WORKSPACE_ROWS)
-        wq_gluon_tune.wq_gluon(x, weight, out, bias, ws, cnt, cfg)
+        tiles = wq_gluon.gluon_weight(weight)
+        cfg = config or wq_gluon_tune.tuned_config(x, tiles, out, bias, ws, cnt, WORKSPACE_ROWS)
+        wq_gluon_tune.wq_gluon(x, tiles, out, bias, ws, cnt, cfg)
         return out
     if path == "dense":  # cuBLAS on a transient dense copy (module docstring)
         return torch.nn.functional.linear(x, dequantize(weight, x.dtype), bias)
+    assert not tiled, f"wq_matmul: a tiled weight has no {path} path"
     g = weight.group_size
     biases = weight.scales if weight.biases is None else weight.biases
     opts = dict(BITS=weight.bits, GROUP=g, HAS_BIAS=bias is not None, **pdl_launch(x.device))

@@ -83,24 +83,71 @@ def test_routing_takes_the_kernel_only_where_it_can_run(monkeypatch):
     assert wq_matmul.decode_path(w, 16, torch.bfloat16) != "gluon"
 
 
-def test_prepare_builds_the_repacked_copy_at_load_only_where_the_kernel_runs_and_counts_it(monkeypatch):
-    """QuantizedLinearWeight.finalize calls wq_matmul.prepare before the KV pool is sized, so the
-    repacked copy (int4's bytes again) is sized around, not taken from the memory left over."""
-    w, other = _weight(k=256), _weight(k=256)
-    wq_matmul.prepare(w)  # CPU weights: nothing kept
-    assert wq_gluon.kept_bytes(w) == 0
+def test_prepare_tiles_the_weight_only_where_the_kernel_runs(monkeypatch):
+    """QuantizedLinearWeight.finalize keeps what wq_matmul.prepare returns in place of the natural
+    nibbles: the tiled form where the Gluon kernel runs (int4's bytes once), else nothing."""
+    w = _weight(k=256)
+    assert wq_matmul.prepare(w) is None  # CPU weights: natural
     if not wq_gluon.HAS_GLUON:
         return
     monkeypatch.setattr(wq_matmul, "_capability", lambda device: (9, 0))
     monkeypatch.setattr(wq_matmul, "interpreting", lambda: False)
-    monkeypatch.setattr(wq_matmul, "GLUON", False)  # KVCASCADE_GLUON=0: int4's bytes once
-    wq_matmul.prepare(w)
-    assert wq_gluon.kept_bytes(w) == 0
+    monkeypatch.setattr(wq_matmul, "GLUON", False)  # KVCASCADE_GLUON=0: natural
+    assert wq_matmul.prepare(w) is None
     monkeypatch.setattr(wq_matmul, "GLUON", True)
-    wq_matmul.prepare(w)
-    words, sb = wq_gluon.gluon_weight(w)  # the copy prepare built, not a new one
-    assert wq_gluon.kept_bytes(w) == words.numel() * 4 + sb.numel() * sb.element_size() > 0
-    assert wq_gluon.kept_bytes(other) == 0
+    tiles = wq_matmul.prepare(w)
+    assert isinstance(tiles, wq_gluon.TiledWeight) and tiles.shape == w.shape and tiles.group_size == 128
+    assert tiles.nbytes() == w.qweight.numel() + 2 * w.scales.numel() * 2  # the same bytes, s and b in one int32
+    torch.testing.assert_close(tiles.dequantize(), w.dequantize(), rtol=0, atol=0)
+    assert wq_matmul.prepare(_weight(k=256, group=64)) is None  # a tile in one group
+    w8 = quantize(torch.randn(32, 256), 8, 128)
+    w8.scales = w8.scales.bfloat16()
+    assert wq_matmul.prepare(w8) is None
+    # a tiled weight's paths: the kernel from 1 row, dequantize + cuBLAS above its rows or for another dtype
+    _, hi = wq_matmul.GLUON_ROWS[4]
+    for rows in (1, 2, 16, hi):
+        assert wq_matmul.decode_path(tiles, rows, torch.bfloat16) == "gluon"
+    assert wq_matmul.decode_path(tiles, hi + 1, torch.bfloat16) == "dense"
+    assert wq_matmul.decode_path(tiles, 1, torch.float32) == "dense"
+
+
+@pytest.mark.parametrize("group,k,n", [(128, 256, 32), (256, 512, 40), (512, 512, 7)])
+def test_tiles_dequantize_kernel_matches_the_reference(group, k, n):
+    """The dense path's one pass over a tiled weight (above 512 rows): its tiles' permutation and
+    (s, b) unpacked, row edges masked; against QuantizedWeight.dequantize of the natural weight."""
+    w = _weight(n=n, k=k, group=group)
+    tiles = wq_gluon.tile_weight(w)
+    torch.testing.assert_close(wq_matmul.dequantize(tiles, torch.float32), w.dequantize(), rtol=0, atol=0)
+    # bf16: the float32 value in one bf16 step (the interpreter truncates where a GPU rounds)
+    torch.testing.assert_close(wq_matmul.dequantize(tiles, torch.bfloat16).float(), w.dequantize(),
+                               rtol=2 ** -7, atol=0)
+    x = torch.randn(3, k)
+    torch.testing.assert_close(wq_matmul.wq_matmul(x, tiles, path="dense"), x @ w.dequantize().T, atol=1e-4, rtol=1e-5)
+    with pytest.raises(AssertionError, match="tiled weight has no swapped path"):
+        wq_matmul.wq_matmul(x, tiles, path="swapped")
+
+
+def test_a_finalized_projection_keeps_only_the_tiles(monkeypatch):
+    """The model's int4 projection after finalize on sm_90 (faked here; the kernels run on CPU under
+    the interpreter): the natural buffers are gone, nbytes counts the tiles once, and its matmul
+    above 512 rows (the dense path) equals the natural weight's."""
+    if not wq_gluon.HAS_GLUON:
+        pytest.skip("no Gluon in this Triton")
+    from worker.models.quantization import QuantizedLinearWeight, QuantSpec
+
+    proj = QuantizedLinearWeight(32, 256, QuantSpec(4, 128), dtype=torch.bfloat16)
+    w = _weight(n=32, k=256)
+    proj.data.copy_(w)
+    natural = proj.nbytes()
+    monkeypatch.setattr(wq_matmul, "_capability", lambda device: (9, 0))
+    monkeypatch.setattr(wq_matmul, "interpreting", lambda: False)
+    tiles = wq_matmul.prepare(proj.data)
+    monkeypatch.setattr(wq_matmul, "interpreting", lambda: True)
+    proj.keep_tiles(tiles)  # what finalize does with it on a CUDA device
+    assert proj.data is tiles and proj.nbytes() == natural
+    assert proj.qweight.numel() == proj.scales.numel() == proj.biases.numel() == 0
+    x = torch.randn(600, 256)
+    torch.testing.assert_close(wq_matmul.wq_matmul(x, proj.data), x @ w.dequantize().T, atol=1e-4, rtol=1e-5)
 
 
 def test_configs_split_only_evenly_and_within_the_workspace():

@@ -3,7 +3,8 @@ how (the plan), the weight such a projection holds in place of a float Parameter
 
     plan (QuantSpec per projection)  ->  QuantizedLinearWeight buffers (kernels/wquant.py's layout)
       -> load: each full checkpoint tensor, float or packed, narrowed to this rank's shard and copied
-      -> finalize: the device's form (CPU: torch's packed int4/int8 kernels' layout)
+      -> finalize: the device's form (CPU: torch's packed int4/int8 kernels' layout; sm_90 int4:
+         the Gluon kernel's tiles, kernels/wq_gluon.py)
       -> matmul: CUDA: the Triton W4A16/W8A16 kernel; CPU: torch's kernels; else dequantize + F.linear
 
 The LM head is int8 whenever anything is quantized (llama.cpp's Q4_K_M keeps it at 6 bits: its
@@ -19,12 +20,16 @@ per output channel, so int8 on CPU is per channel; the int4 kernel takes groups 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
 from kernels.wquant import QuantizedWeight, empty_quantized
+
+if TYPE_CHECKING:
+    from kernels.wq_gluon import TiledWeight
 
 LM_HEAD = "lm_head"
 CPU_INT4_GROUPS = (32, 64, 128, 256)
@@ -84,9 +89,12 @@ class QuantizedLinearWeight(nn.Module):
         self.register_buffer("biases", w.biases)
         self.shape = (out_features, in_features)
         self._cpu: tuple[torch.Tensor, torch.Tensor] | None = None  # torch's CPU kernel's (weight, scales)
+        self._tiles: TiledWeight | None = None  # the Gluon kernel's form (sm_90 int4), after finalize
 
     @property
-    def data(self) -> QuantizedWeight:
+    def data(self) -> QuantizedWeight | TiledWeight:
+        if self._tiles is not None:  # the natural nibbles are gone (finalize)
+            return self._tiles
         return QuantizedWeight(self.qweight, self.scales, self.biases, self.bits, self.group_size)
 
     @property
@@ -96,26 +104,20 @@ class QuantizedLinearWeight(nn.Module):
     def nbytes(self) -> int:
         if self._cpu is not None:
             return sum(t.numel() * t.element_size() for t in self._cpu)
-        if self.qweight.is_cuda:  # with what the GPU kernels keep beside it (kernels/wq_matmul.prepare)
-            from kernels import HAS_TRITON
-
-            if HAS_TRITON:
-                from kernels.wq_gluon import kept_bytes
-
-                return self.data.nbytes() + kept_bytes(self.data)
         return self.data.nbytes()
 
     def finalize(self) -> None:
         """After loading: on CPU, build torch's packed form (the int4 one replaces the generic
-        nibbles; int8's weight is the generic one, kept for embedding lookups); on a GPU, what its
-        kernels keep beside the weight (kernels/wq_matmul.prepare)."""
+        nibbles; int8's weight is the generic one, kept for embedding lookups); on a GPU, the form
+        its kernels want (kernels/wq_matmul.prepare: on sm_90, int4 repacked into the Gluon
+        kernel's tiles, which replace the natural nibbles), before the KV pool is sized."""
         if self.qweight.device.type != "cpu":
             from kernels import HAS_TRITON
 
-            if self.qweight.is_cuda and HAS_TRITON:  # before the KV pool is sized
+            if self.qweight.is_cuda and HAS_TRITON and self._tiles is None:
                 from kernels.wq_matmul import prepare
 
-                prepare(self.data)
+                self.keep_tiles(prepare(self.data))
             return
         if self.bits == 8:
             self._cpu = (self.qweight, self.scales.squeeze(1).to(torch.bfloat16).contiguous())
@@ -129,6 +131,16 @@ class QuantizedLinearWeight(nn.Module):
         self._cpu = (packed, sz)
         self.qweight = torch.empty(0, dtype=torch.uint8)  # the nibbles live on in `packed` only
         self.scales = self.biases = torch.empty(0, dtype=self.scales.dtype)
+
+    def keep_tiles(self, tiles: TiledWeight | None) -> None:
+        """The weight in the Gluon kernel's tiled form from now on, the natural buffers freed
+        (none: kept as it is)."""
+        if tiles is None:
+            return
+        self._tiles = tiles
+        device = self.qweight.device
+        self.qweight = torch.empty(0, dtype=torch.uint8, device=device)
+        self.scales = self.biases = torch.empty(0, dtype=self.scales.dtype, device=device)
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         lead, k = x.shape[:-1], x.shape[-1]
@@ -147,7 +159,7 @@ class QuantizedLinearWeight(nn.Module):
             from kernels.wq_matmul import wq_matmul
 
             out = (wq_matmul(x2.contiguous(), self.data, bias) if HAS_TRITON
-                   else F.linear(x2, self.data.dequantize(x.dtype), bias))
+                   else F.linear(x2, self.data.dequantize(x.dtype), bias))  # (no tiles without Triton)
         else:
             out = F.linear(x2, self.data.dequantize(x.dtype), bias)
         return out.view(*lead, self.shape[0])
