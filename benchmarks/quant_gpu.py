@@ -130,10 +130,11 @@ def sweep_gluon(x: torch.Tensor, ws: list, ref: torch.Tensor, tag: str, tiles: l
     """kernels/wq_gluon.py's tiles (kernels/wq_gluon_tune.py's GLUON_TILES or ``tiles``) and K
     splits for one shape and rows, each with the wgmma groups left in flight in ``inflight``: rel_err (the output poisoned with
     NaN first: an unwritten element fails; a wrong one is located) and µs, as bench_decode times."""
-    from kernels.wq_gluon_tune import wq_gluon
-    from kernels.wq_gluon_tune import gluon_configs
+    from kernels.wq_gluon import gluon_weight
+    from kernels.wq_gluon_tune import gluon_configs, wq_gluon
     from kernels.wq_matmul import WORKSPACE_ROWS, _workspace
 
+    ws = [gluon_weight(w) for w in ws]  # the tiled form (kept beside each natural weight)
     (m, k), n = x.shape, ws[0].shape[0]
     work, cnt = _workspace(x.device, n, -(-n // 64) * -(-WORKSPACE_ROWS // 16))
     out, best = {}, None
@@ -193,8 +194,8 @@ def bench_decode(ceilings: dict, rows_list: list[int], sweep: bool, swap_sweep: 
             formats[f"int{bits}"] = [q] + [type(q)(q.qweight.clone(), q.scales.clone(),
                                                  None if q.biases is None else q.biases.clone(), bits, 128)
                                            for _ in range(cp - 1)]
-            if bits == 4 and tiles_fit(q):  # the engine's form on sm_90 (kernels/wq_matmul.prepare)
-                formats["int4t"] = [tile_weight(c) for c in formats["int4"]]
+            if tiles_fit(q):  # the engine's form on sm_90 (kernels/wq_matmul.prepare)
+                formats[f"int{bits}t"] = [tile_weight(c) for c in formats[f"int{bits}"]]
         for rows in rows_list:
             x = torch.randn(rows, k, device=dev, dtype=torch.bfloat16)
             for fmt, ws in formats.items():
@@ -204,8 +205,8 @@ def bench_decode(ceilings: dict, rows_list: list[int], sweep: bool, swap_sweep: 
                 else:
                     ref = x.float() @ ws[0].dequantize().t()
                     paths = {}
-                    if fmt == "int4t":  # tiled: the Gluon kernel and dequantize + cuBLAS only
-                        names = ["gluon"] if rows <= GLUON_ROWS[4][1] else []
+                    if fmt.endswith("t"):  # tiled: the Gluon kernel and dequantize + cuBLAS only
+                        names = ["gluon"] if rows <= GLUON_ROWS[ws[0].bits][1] else []
                     else:
                         names = (["gemv"] if rows <= GEMV_MAX_ROWS else []) + (["dequant"] if rows <= DECODE_MAX_ROWS else [])
                         names += ["gluon"] if gluon_fits(x, ws[0]) and rows >= 2 else []
@@ -281,7 +282,7 @@ def print_decode_table(res: dict, rows_list: list[int]) -> None:
             if p in found] + ["chosen"]
     print(f"\n{'rows':>5} {'fmt':<5}" + "".join(f"{p:>10}" for p in cols) + "   (us a layer)")
     for rows in rows_list:
-        for fmt in ("int8", "int4", "int4t"):
+        for fmt in ("int8", "int8t", "int4", "int4t"):
             cells = []
             for p in cols:
                 key = "bf16" if p == "bf16" else fmt

@@ -1,4 +1,4 @@
-"""W4A16 on Hopper in Gluon: out^T = W x^T with the weight as wgmma's register operand and the
+"""W4A16 and W8A16 on Hopper in Gluon: out^T = W x^T with the weight as wgmma's register operand and the
 wgmma chain kept asynchronous across K tiles (kernels/wq_matmul.py's swapped kernel, in Triton,
 waits for every wgmma: Triton 3.6's tl.dot always waits for 0 outstanding).
 
@@ -19,6 +19,14 @@ thread's 32 columns of a row in a tile are stored as the 4 words 4c..4c + 3 of t
 4c + i's nibble s + 4e holding column 32 i + 8 s + 2 c + e (``INT4_TILE_ORDER``). x keeps its
 natural order, so TMA stages it as it lies. Scales and biases go in one int32 a group (``pack_scales``:
 bf16 s low, b high).
+
+int8 (W8A16) takes the same kernel with BITS 8: 32 words a row's tile, a thread's 8 words
+8c..8c + 7 (one a 16-column step j), word 8c + j holding columns 16 j + 2c, 16 j + 2c + 8,
+16 j + 2c + 1, 16 j + 2c + 9 in its bytes 0..3 (``INT8_TILE_ORDER``), each as u = q + 128. A byte
+pair (0, 2) becomes the bf16x2 pair q s in 6 instructions (``_UNPACK8``): its high nibbles (w >> 1
+& 0x00780078 | bf16 256.0) are 256 + 16 h, its low ones (w & 0x000F000F | bf16 128.0) 128 + l;
+(256 + 16 h - 512) + (128 + l) = u - 128 = q exactly (every integer below 256 is a bf16), times s
+rounded once; bytes (1, 3) the same from w >> 8: 13 instructions a word of 4 weights. No bias.
 
 Where this kernel runs, the repacked form is the weight's only form on the GPU (a ``TiledWeight``,
 built at load by kernels/wq_matmul.prepare in place of the natural nibbles): the Gluon kernel
@@ -52,10 +60,8 @@ HAS_GLUON = gluon is not None
 # a programmatic dependent launch (the weights' first stages fetched before the wait for the
 # kernel before); KVCASCADE_GLUON_PDL=0 launches it plainly (the A/B), as KVCASCADE_PDL=0 does all
 PDL = os.environ.get("KVCASCADE_GLUON_PDL", "1") != "0"
-BLOCK_K = 128  # columns a tile: 16 int32 words of a row
-WORDS = BLOCK_K // 8
-_BK = gl.constexpr(BLOCK_K) if gl else BLOCK_K  # the kernels' names for them
-_WORDS = gl.constexpr(WORDS) if gl else WORDS
+BLOCK_K = 128  # columns a tile: 16 int32 words of a row (int4), 32 (int8)
+_BK = gl.constexpr(BLOCK_K) if gl else BLOCK_K  # the kernels' name for it
 
 
 def _tile_order() -> torch.Tensor:
@@ -71,6 +77,28 @@ def _tile_order() -> torch.Tensor:
 
 
 INT4_TILE_ORDER = _tile_order()
+
+
+def _tile_order8() -> torch.Tensor:
+    """The column (0..127 of a tile) each byte of a repacked int8 row's tile holds: byte 4 u + b
+    of word u = 8 c + j holds column 16 j + 2 c + (0, 8, 1, 9)[b]."""
+    order = torch.empty(BLOCK_K, dtype=torch.long)
+    for c in range(4):
+        for j in range(8):
+            for b, off in enumerate((0, 8, 1, 9)):
+                order[4 * (8 * c + j) + b] = 16 * j + 2 * c + off
+    return order
+
+
+INT8_TILE_ORDER = _tile_order8()
+
+
+def repack_int8(qweight: torch.Tensor) -> torch.Tensor:
+    """[N, K] int8 -> [N, K // 4] int32 words of u = q + 128 in INT8_TILE_ORDER per 128 columns."""
+    n, k = qweight.shape
+    assert k % BLOCK_K == 0, k
+    u = (qweight.to(torch.int16) + 128).to(torch.uint8).view(n, k // BLOCK_K, BLOCK_K)
+    return u[:, :, INT8_TILE_ORDER.to(u.device)].reshape(n, k).contiguous().view(torch.int32)
 
 
 def repack_int4(qweight: torch.Tensor) -> torch.Tensor:
@@ -100,11 +128,11 @@ class TiledWeight:
     words: torch.Tensor
     sb: torch.Tensor
     group_size: int
-    bits = 4
+    bits: int = 4
 
     @property
     def shape(self) -> tuple[int, int]:
-        return self.words.shape[0], self.words.shape[1] * 8
+        return self.words.shape[0], self.words.shape[1] * 32 // self.bits
 
     @property
     def device(self) -> torch.device:
@@ -115,21 +143,33 @@ class TiledWeight:
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The float weight [N, K] (computed in float32), as QuantizedWeight.dequantize."""
-        return dequantize_repacked(self.words, self.sb, self.group_size).to(dtype)
+        return dequantize_repacked(self.words, self.sb, self.group_size, self.bits).to(dtype)
+
+    def rows(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Rows ``ids`` dequantized: an embedding lookup from a tiled (tied, int8) LM head."""
+        return TiledWeight(self.words[ids], self.sb[ids], self.group_size, self.bits).dequantize(dtype)
 
 
 def tile_weight(weight: QuantizedWeight) -> TiledWeight:
-    """``weight`` (int4, bf16 scales, groups of whole tiles) in this kernel's form."""
-    assert weight.bits == 4 and weight.group_size % BLOCK_K == 0, (weight.bits, weight.group_size)
+    """``weight`` (bf16 scales, groups of whole tiles) in this kernel's form."""
+    assert weight.group_size % BLOCK_K == 0, weight.group_size
+    if weight.bits == 8:
+        return TiledWeight(repack_int8(weight.qweight), pack_scales(weight.scales, torch.zeros_like(weight.scales)),
+                           weight.group_size, 8)
     return TiledWeight(repack_int4(weight.qweight), pack_scales(weight.scales, weight.biases), weight.group_size)
 
 
-def dequantize_repacked(words: torch.Tensor, sb: torch.Tensor, group: int) -> torch.Tensor:
+def dequantize_repacked(words: torch.Tensor, sb: torch.Tensor, group: int, bits: int = 4) -> torch.Tensor:
     """The float32 weight [N, K] that ``words`` and ``sb`` stand for (the tests' reference)."""
-    n, k = words.shape[0], words.shape[1] * 8
-    q = unpack_int4(words.view(torch.uint8).view(n, k // 2)).view(n, k // BLOCK_K, BLOCK_K)
+    n, k = words.shape[0], words.shape[1] * 32 // bits
+    if bits == 8:
+        q = words.contiguous().view(torch.uint8).view(n, k // BLOCK_K, BLOCK_K).to(torch.int16) - 128
+        order = INT8_TILE_ORDER
+    else:
+        q = unpack_int4(words.contiguous().view(torch.uint8).view(n, k // 2)).view(n, k // BLOCK_K, BLOCK_K)
+        order = INT4_TILE_ORDER
     natural = torch.empty_like(q)
-    natural[:, :, INT4_TILE_ORDER.to(q.device)] = q
+    natural[:, :, order.to(q.device)] = q
     s = (sb << 16).view(torch.float32)
     b = (sb & -65536).view(torch.float32)
     per = group // BLOCK_K if group >= BLOCK_K else None
@@ -147,46 +187,65 @@ if HAS_GLUON:
         ("lop3.b32 t, $4, " if i == 0 else f"shr.u32 t, $4, {4 * i}; lop3.b32 t, t, ")
         + f"0x000F000F, 0x43004300, 0xEA; sub.rn.bf16x2 t, t, m; fma.rn.bf16x2 ${i}, t, $5, $6; " for i in range(4))
         + "}")
+    # an int8 word's 4 bytes (u = q + 128) -> 2 bf16x2 registers (q s): $0 bytes (0, 2), $1 bytes
+    # (1, 3), from the word $2 and (s, s) $3 (module docstring)
+    _UNPACK8 = gl.constexpr("{ .reg .b32 t, h, l, m; mov.b32 m, 0x44004400; " + "".join(
+        f"shr.u32 t, $2, {8 * i + 1}; lop3.b32 h, t, 0x00780078, 0x43804380, 0xEA; "
+        + ("lop3.b32 l, $2, " if i == 0 else "shr.u32 t, $2, 8; lop3.b32 l, t, ")
+        + f"0x000F000F, 0x43004300, 0xEA; sub.rn.bf16x2 h, h, m; add.rn.bf16x2 h, h, l; mul.rn.bf16x2 ${i}, h, $3; "
+        for i in range(2)) + "}")
 
     @gluon.constexpr_function
-    def _words_layout(block_n, num_warps):
-        """[block_n, 16] int32 words: a thread holds words 4c..4c + 3 of rows r and r + 8 of its
-        warp's 16, the rows of wgmma's A fragment (c: the lane in its quad), and the same again
-        every 16 num_warps rows (wgmma's repeats along M when a warpgroup owns 128 rows or more)."""
+    def _words_layout(block_n, num_warps, bits=4):
+        """[block_n, 16] int32 words (int4; int8: 32): a thread holds words 4c..4c + 3 (int8: 8c..8c + 7)
+        of rows r and r + 8 of its warp's 16, the rows of wgmma's A fragment (c: the lane in its
+        quad), and the same again every 16 num_warps rows (wgmma's repeats along M when a warpgroup
+        owns 128 rows or more)."""
+        per = 4 * bits // 4  # words a thread's row
         warps = [[16 << i, 0] for i in range(num_warps.bit_length() - 1)]
         reps = [[16 * num_warps << i, 0] for i in range((block_n // (16 * num_warps)).bit_length() - 1)]
-        return gl.DistributedLinearLayout(reg_bases=[[0, 1], [0, 2], [8, 0]] + reps,
-                                          lane_bases=[[0, 4], [0, 8], [1, 0], [2, 0], [4, 0]],
-                                          warp_bases=warps, block_bases=[], shape=[block_n, _WORDS])
+        regs = [[0, 1 << i] for i in range(per.bit_length() - 1)]
+        return gl.DistributedLinearLayout(reg_bases=regs + [[8, 0]] + reps,
+                                          lane_bases=[[0, per], [0, 2 * per], [1, 0], [2, 0], [4, 0]],
+                                          warp_bases=warps, block_bases=[], shape=[block_n, 4 * per])
 
     @gluon.jit
-    def _unpack_tile(w, sb, a_layout: gl.constexpr, BLOCK_N: gl.constexpr):
-        """Words [BLOCK_N, 16] and their rows' (s, b) -> the tile [BLOCK_N, 128] bf16 in a_layout."""
+    def _unpack_tile(w, sb, a_layout: gl.constexpr, BLOCK_N: gl.constexpr, BITS: gl.constexpr = 4):
+        """Words [BLOCK_N, 16] (int8: 32) and their rows' (s, b) -> the tile [BLOCK_N, 128] bf16 in a_layout."""
         s2, b2 = gl.inline_asm_elementwise(_SPLIT_SB, "=r,=r,r", [sb], dtype=(gl.int32, gl.int32), is_pure=True,
                                            pack=1)
         s2 = gl.expand_dims(s2, 1)
         b2 = gl.expand_dims(b2, 1)
-        r0, r1, r2, r3 = gl.inline_asm_elementwise(_UNPACK, "=r,=r,=r,=r,r,r,r", [w, s2, b2],
-                                                   dtype=(gl.int32, gl.int32, gl.int32, gl.int32), is_pure=True,
-                                                   pack=1)
-        # [n, u] with u = 4 c + i, pairs s = 2 s1 + s0, halves e -> column 32 i + 16 s1 + 8 s0 + 2 c + e
-        t = gl.join(gl.join(r0, r1), gl.join(r2, r3))  # [n, u, s0, s1]
-        t = gl.join(t.to(gl.int16), (t >> 16).to(gl.int16))  # [n, u, s0, s1, e]
-        t = t.reshape([BLOCK_N, 4, 4, 2, 2, 2])  # [n, c, i, s0, s1, e]
-        t = t.permute([0, 2, 4, 3, 1, 5])  # [n, i, s1, s0, c, e]
+        if BITS == 8:
+            r0, r1 = gl.inline_asm_elementwise(_UNPACK8, "=r,=r,r,r", [w, s2], dtype=(gl.int32, gl.int32),
+                                               is_pure=True, pack=1)
+            # [n, u, h, e] with u = 8 c + j: column 16 j + 8 h + 2 c + e
+            t = gl.join(r0, r1)
+            t = gl.join(t.to(gl.int16), (t >> 16).to(gl.int16))
+            t = t.reshape([BLOCK_N, 4, 8, 2, 2])  # [n, c, j, h, e]
+            t = t.permute([0, 2, 3, 1, 4])  # [n, j, h, c, e]
+        else:
+            r0, r1, r2, r3 = gl.inline_asm_elementwise(_UNPACK, "=r,=r,=r,=r,r,r,r", [w, s2, b2],
+                                                       dtype=(gl.int32, gl.int32, gl.int32, gl.int32), is_pure=True,
+                                                       pack=1)
+            # [n, u] with u = 4 c + i, pairs s = 2 s1 + s0, halves e -> column 32 i + 16 s1 + 8 s0 + 2 c + e
+            t = gl.join(gl.join(r0, r1), gl.join(r2, r3))  # [n, u, s0, s1]
+            t = gl.join(t.to(gl.int16), (t >> 16).to(gl.int16))  # [n, u, s0, s1, e]
+            t = t.reshape([BLOCK_N, 4, 4, 2, 2, 2])  # [n, c, i, s0, s1, e]
+            t = t.permute([0, 2, 4, 3, 1, 5])  # [n, i, s1, s0, c, e]
         t = t.reshape([BLOCK_N, _BK]).to(gl.bfloat16, bitcast=True)
         return gl.convert_layout(t, a_layout, assert_trivial=True)
 
     @gluon.jit
     def _tile(i, t0, tiles, acc, sb, sb_ptrs, x_desc, w_desc, x_smem, w_smem, bars, off_m, off_n,
               a_layout: gl.constexpr, w_layout: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-              TPG: gl.constexpr, INFLIGHT: gl.constexpr):
+              TPG: gl.constexpr, INFLIGHT: gl.constexpr, BITS: gl.constexpr):
         """Tile i of the program's split: its wgmma issued, tile i - 1's retired (INFLIGHT 1), and
         tile i - 1's stage refilled with tile i + STAGES - 1. Returns acc and tile i + 1's (s, b)."""
         stage = i % STAGES
         sb_next = gl.load(sb_ptrs + (t0 + gl.minimum(i + 1, tiles - 1)) // TPG)  # a tile ahead: its latency hidden
         mbarrier.wait(bars.index(stage), (i // STAGES) & 1)
-        a = _unpack_tile(w_smem.index(stage).load(w_layout), sb, a_layout, BLOCK_N)
+        a = _unpack_tile(w_smem.index(stage).load(w_layout), sb, a_layout, BLOCK_N, BITS)
         acc = warpgroup_mma(a, x_smem.index(stage).permute((1, 0)), acc, is_async=True)
         acc = warpgroup_mma_wait(num_outstanding=INFLIGHT, deps=(acc, ))  # 0: the A/B without overlap
         # tile i - 1's wgmma is done in this warpgroup; the barrier makes it every warpgroup's (and
@@ -197,24 +256,26 @@ if HAS_GLUON:
         pred = nxt < tiles
         mbarrier.expect(bars.index(ns), x_desc.block_type.nbytes + w_desc.block_type.nbytes, pred=pred)
         tma.async_copy_global_to_shared(x_desc, [off_m, (t0 + nxt) * _BK], bars.index(ns), x_smem.index(ns), pred)
-        tma.async_copy_global_to_shared(w_desc, [off_n, (t0 + nxt) * _WORDS], bars.index(ns), w_smem.index(ns), pred)
+        tma.async_copy_global_to_shared(w_desc, [off_n, (t0 + nxt) * (_BK * BITS // 32)], bars.index(ns),
+                                        w_smem.index(ns), pred)
         return acc, sb_next
 
     @gluon.jit
     def _wq_gluon_kernel(x_desc, w_desc, sb_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K, stride_sb, stride_om,
                          GROUP: gl.constexpr, HAS_BIAS: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr,
                          STAGES: gl.constexpr, SPLIT_K: gl.constexpr, num_warps: gl.constexpr,
-                         INFLIGHT: gl.constexpr = 1, USE_PDL: gl.constexpr = False):
+                         INFLIGHT: gl.constexpr = 1, USE_PDL: gl.constexpr = False, BITS: gl.constexpr = 4):
         """Program (i, j, s) owns out[j BLOCK_M:, i BLOCK_N:] over split s of K's tiles (the host
         makes the splits equal, of an even number of tiles). A warpgroup owns BLOCK_N / (num_warps /
         4) rows (64 or 128: one or two wgmma along M). INFLIGHT: wgmma groups left in flight at
         each tile's wait (1; 0 waits for each tile's, as tl.dot does). USE_PDL: launched as a
-        programmatic dependent launch (kernels/_triton.py)."""
+        programmatic dependent launch (kernels/_triton.py). BITS: 4 or 8 (the weight's words)."""
         mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                                       instr_shape=[16, BLOCK_M, 16])
         a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
-        w_layout: gl.constexpr = _words_layout(BLOCK_N, num_warps)
+        w_layout: gl.constexpr = _words_layout(BLOCK_N, num_warps, BITS)
         row_layout: gl.constexpr = gl.SliceLayout(1, w_layout)
+        WPT: gl.constexpr = _BK * BITS // 32  # words a row's tile
         pid_n = gl.program_id(0)
         pid_m = gl.program_id(1)
         tiles = K // _BK // SPLIT_K
@@ -224,7 +285,7 @@ if HAS_GLUON:
         off_m = pid_m * BLOCK_M
 
         x_smem = gl.allocate_shared_memory(x_desc.dtype, [STAGES, BLOCK_M, _BK], x_desc.layout)
-        w_smem = gl.allocate_shared_memory(w_desc.dtype, [STAGES, BLOCK_N, _WORDS], w_desc.layout)
+        w_smem = gl.allocate_shared_memory(w_desc.dtype, [STAGES, BLOCK_N, WPT], w_desc.layout)
         bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         for i in gl.static_range(STAGES):
             mbarrier.init(bars.index(i), count=1)
@@ -235,7 +296,7 @@ if HAS_GLUON:
         for i in gl.static_range(STAGES - 1):
             pred = i < tiles
             mbarrier.expect(bars.index(i), nbytes, pred=pred)
-            tma.async_copy_global_to_shared(w_desc, [off_n, (t0 + i) * _WORDS], bars.index(i), w_smem.index(i), pred)
+            tma.async_copy_global_to_shared(w_desc, [off_n, (t0 + i) * WPT], bars.index(i), w_smem.index(i), pred)
         rows = gl.minimum(off_n + gl.arange(0, BLOCK_N, layout=row_layout), N - 1)  # edge rows re-read row N - 1
         sb_ptrs = sb_ptr + rows.to(gl.int64) * stride_sb
         TPG: gl.constexpr = GROUP // _BK  # tiles a group
@@ -251,9 +312,9 @@ if HAS_GLUON:
         # next iteration rewrites a tile's registers after the wait that retired its wgmma)
         for j in range(tiles // 2):
             acc, sb = _tile(2 * j, t0, tiles, acc, sb, sb_ptrs, x_desc, w_desc, x_smem, w_smem, bars, off_m, off_n,
-                            a_layout, w_layout, BLOCK_N, STAGES, TPG, INFLIGHT)
+                            a_layout, w_layout, BLOCK_N, STAGES, TPG, INFLIGHT, BITS)
             acc, sb = _tile(2 * j + 1, t0, tiles, acc, sb, sb_ptrs, x_desc, w_desc, x_smem, w_smem, bars, off_m,
-                            off_n, a_layout, w_layout, BLOCK_N, STAGES, TPG, INFLIGHT)
+                            off_n, a_layout, w_layout, BLOCK_N, STAGES, TPG, INFLIGHT, BITS)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
         for i in gl.static_range(STAGES):
             mbarrier.invalidate(bars.index(i))
@@ -322,7 +383,7 @@ def gluon_fits(x: torch.Tensor, weight: QuantizedWeight | TiledWeight) -> bool:
     """Whether the kernel takes this call: Gluon on an sm_90 GPU, bf16 x and scales, int4 in
     groups of whole tiles, an even number of tiles along K (two a loop iteration), and x as TMA
     reads it (rows 16-byte aligned)."""
-    if not (HAS_GLUON and x.is_cuda and x.dtype == torch.bfloat16 and weight.bits == 4):
+    if not (HAS_GLUON and x.is_cuda and x.dtype == torch.bfloat16 and weight.bits in (4, 8)):
         return False
     tiled = isinstance(weight, TiledWeight)
     if torch.cuda.get_device_capability(x.device) != (9, 0) or not (tiled or weight.scales.dtype == torch.bfloat16):

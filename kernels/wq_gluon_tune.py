@@ -86,7 +86,7 @@ def tuned_config(x: torch.Tensor, weight: TiledWeight, out: torch.Tensor, bias: 
     """The fastest of gluon_configs for this shape and rows bucket, timed at first use (warm-up,
     before CUDA-graph capture) on the call's x, over transient copies of the weight (TUNE_BYTES)."""
     (m, k), n = x.shape, weight.shape[0]
-    key = (n, k, weight.group_size, rows_block(m), bias is not None)
+    key = (n, k, weight.group_size, weight.bits, rows_block(m), bias is not None)
     cfg = _tuned.get(key)
     if cfg is None:
         assert not torch.cuda.is_current_stream_capturing(), "wq_gluon: a shape first met inside CUDA-graph capture"
@@ -95,8 +95,8 @@ def tuned_config(x: torch.Tensor, weight: TiledWeight, out: torch.Tensor, bias: 
                                   for _ in range(max(1, TUNE_BYTES // (words.nbytes + sb.nbytes)) - 1)]
         timed = []
         for c in gluon_configs(m, n, k, split_rows, GLUON_TILES + GLUON_WS_TILES):
-            calls = [lambda w=w, s=s, c=c: _launch(x, w, s, weight.group_size, out, bias, ws, cnt, c, False)
-                     for w, s in copies]
+            calls = [lambda w=w, s=s, c=c: _launch(x, w, s, weight.group_size, out, bias, ws, cnt, c, False,
+                                                   weight.bits) for w, s in copies]
             timed.append((graph_us(calls), len(timed), c))
         cfg = _tuned[key] = min(timed)[2]
         del copies
@@ -111,12 +111,12 @@ def wq_gluon(x: torch.Tensor, weight: TiledWeight, out: torch.Tensor, bias: torc
              ws: torch.Tensor, cnt: torch.Tensor, config: dict) -> None:
     """out = x @ W^T (+ bias) through the kernel at ``config`` (kernels/wq_gluon_tune.py's
     dicts); ws, cnt: kernels/wq_matmul.py's split workspace (zero), for SPLIT_K > 1."""
-    _launch(x, weight.words, weight.sb, weight.group_size, out, bias, ws, cnt, config)
+    _launch(x, weight.words, weight.sb, weight.group_size, out, bias, ws, cnt, config, bits=weight.bits)
 
 
 def _launch(x: torch.Tensor, words: torch.Tensor, sb: torch.Tensor, group: int, out: torch.Tensor,
             bias: torch.Tensor | None, ws: torch.Tensor, cnt: torch.Tensor, config: dict,
-            keep_desc: bool = True) -> None:
+            keep_desc: bool = True, bits: int = 4) -> None:
     (m, k), n = x.shape, words.shape[0]
     bm, warps, split = config["BLOCK_M"], config["num_warps"], config["SPLIT_K"]
     bn = config.get("BLOCK_N", 16 * warps)
@@ -125,8 +125,9 @@ def _launch(x: torch.Tensor, words: torch.Tensor, sb: torch.Tensor, group: int, 
     key = (words.data_ptr(), bn)
     w_desc = _descs.get(key)
     if w_desc is None or w_desc.base is not words:
-        w_layout = wq_gluon_mod.gl.NVMMASharedLayout.get_default_for([bn, wq_gluon_mod.WORDS], wq_gluon_mod.gl.int32)
-        w_desc = wq_gluon_mod.TensorDescriptor(words, list(words.shape), [words.stride(0), 1], [bn, wq_gluon_mod.WORDS], w_layout)
+        wpt = BLOCK_K * bits // 32  # words a row's tile
+        w_layout = wq_gluon_mod.gl.NVMMASharedLayout.get_default_for([bn, wpt], wq_gluon_mod.gl.int32)
+        w_desc = wq_gluon_mod.TensorDescriptor(words, list(words.shape), [words.stride(0), 1], [bn, wpt], w_layout)
         if keep_desc:  # the tuner's transient copies are not kept alive by the cache
             _descs[key] = w_desc
     grid = (triton.cdiv(n, bn), triton.cdiv(m, bm), split)
@@ -137,5 +138,5 @@ def _launch(x: torch.Tensor, words: torch.Tensor, sb: torch.Tensor, group: int, 
         extra = dict(maxnreg=wq_gluon_mod.WS_MAXNREG[bm])
     kernel[grid](x_desc, w_desc, sb, out if bias is None else bias, out, ws, cnt, m, n, k, sb.stride(0),
                  out.stride(0), GROUP=group, HAS_BIAS=bias is not None, BLOCK_N=bn, BLOCK_M=bm,
-                 STAGES=config["STAGES"], SPLIT_K=split, num_warps=warps, INFLIGHT=config.get("INFLIGHT", 1),
+                 STAGES=config["STAGES"], SPLIT_K=split, num_warps=warps, INFLIGHT=config.get("INFLIGHT", 1), BITS=bits,
                  **(pdl_launch(x.device) if wq_gluon_mod.PDL else dict(USE_PDL=False, launch_pdl=False)), **extra)

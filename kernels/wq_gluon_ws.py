@@ -20,18 +20,18 @@ if HAS_GLUON:
     from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                                   warpgroup_mma_wait)
 
-    from kernels.wq_gluon import _BK, _WORDS, _pdl_wait, _store, _unpack_tile, _words_layout
+    from kernels.wq_gluon import _BK, _pdl_wait, _store, _unpack_tile, _words_layout
 
     @gluon.jit
     def _producer(x_desc, w_desc, x_smem, w_smem, ready, empty, off_m, off_n, t0, tiles, STAGES: gl.constexpr,
-                  USE_PDL: gl.constexpr):
+                  USE_PDL: gl.constexpr, WPT: gl.constexpr):
         """The TMA ring: the weights' first stages before the wait for the kernel before (PDL), x's
         after, then each tile once the consumer released the tile STAGES before it."""
         nbytes: gl.constexpr = x_desc.block_type.nbytes + w_desc.block_type.nbytes
         for i in gl.static_range(STAGES):
             pred = i < tiles
             mbarrier.expect(ready.index(i), nbytes, pred=pred)
-            tma.async_copy_global_to_shared(w_desc, [off_n, (t0 + i) * _WORDS], ready.index(i), w_smem.index(i), pred)
+            tma.async_copy_global_to_shared(w_desc, [off_n, (t0 + i) * WPT], ready.index(i), w_smem.index(i), pred)
         if USE_PDL:
             _pdl_wait()
         for i in gl.static_range(STAGES):
@@ -41,17 +41,18 @@ if HAS_GLUON:
             s = i % STAGES
             mbarrier.wait(empty.index(s), (i // STAGES - 1) & 1)
             mbarrier.expect(ready.index(s), nbytes)
-            tma.async_copy_global_to_shared(w_desc, [off_n, (t0 + i) * _WORDS], ready.index(s), w_smem.index(s))
+            tma.async_copy_global_to_shared(w_desc, [off_n, (t0 + i) * WPT], ready.index(s), w_smem.index(s))
             tma.async_copy_global_to_shared(x_desc, [off_m, (t0 + i) * _BK], ready.index(s), x_smem.index(s))
 
     @gluon.jit
     def _consumer_tile(i, t0, tiles, acc, sb, sb_ptrs, x_smem, w_smem, ready, empty, a_layout: gl.constexpr,
-                       w_layout: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, TPG: gl.constexpr):
+                       w_layout: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, TPG: gl.constexpr,
+                       BITS: gl.constexpr):
         """Tile i: its wgmma issued, tile i - 1's retired and its stage released."""
         stage = i % STAGES
         sb_next = gl.load(sb_ptrs + (t0 + gl.minimum(i + 1, tiles - 1)) // TPG)
         mbarrier.wait(ready.index(stage), (i // STAGES) & 1)
-        a = _unpack_tile(w_smem.index(stage).load(w_layout), sb, a_layout, BLOCK_N)
+        a = _unpack_tile(w_smem.index(stage).load(w_layout), sb, a_layout, BLOCK_N, BITS)
         acc = warpgroup_mma(a, x_smem.index(stage).permute((1, 0)), acc, is_async=True)
         acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))
         mbarrier.arrive(empty.index((i + STAGES - 1) % STAGES), pred=i > 0)
@@ -61,11 +62,11 @@ if HAS_GLUON:
     def _consumer(x_smem, w_smem, ready, empty, sb_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, stride_sb,
                   stride_om, off_m, off_n, pid_n, pid_m, t0, tiles, GROUP: gl.constexpr, HAS_BIAS: gl.constexpr,
                   BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr, SPLIT_K: gl.constexpr,
-                  USE_PDL: gl.constexpr, num_warps: gl.constexpr):
+                  USE_PDL: gl.constexpr, num_warps: gl.constexpr, BITS: gl.constexpr):
         mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                                       instr_shape=[16, BLOCK_M, 16])
         a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
-        w_layout: gl.constexpr = _words_layout(BLOCK_N, num_warps)
+        w_layout: gl.constexpr = _words_layout(BLOCK_N, num_warps, BITS)
         rows = gl.minimum(off_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, w_layout)), N - 1)
         sb_ptrs = sb_ptr + rows.to(gl.int64) * stride_sb
         TPG: gl.constexpr = GROUP // _BK
@@ -73,9 +74,9 @@ if HAS_GLUON:
         acc = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, mma)
         for j in range(tiles // 2):  # two tiles an iteration: wq_gluon.py's _wq_gluon_kernel says why
             acc, sb = _consumer_tile(2 * j, t0, tiles, acc, sb, sb_ptrs, x_smem, w_smem, ready, empty, a_layout,
-                                     w_layout, BLOCK_N, STAGES, TPG)
+                                     w_layout, BLOCK_N, STAGES, TPG, BITS)
             acc, sb = _consumer_tile(2 * j + 1, t0, tiles, acc, sb, sb_ptrs, x_smem, w_smem, ready, empty, a_layout,
-                                     w_layout, BLOCK_N, STAGES, TPG)
+                                     w_layout, BLOCK_N, STAGES, TPG, BITS)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
         if USE_PDL:  # out and ws only after the kernel before
             _pdl_wait()
@@ -86,16 +87,18 @@ if HAS_GLUON:
     def _wq_gluon_ws_kernel(x_desc, w_desc, sb_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K, stride_sb, stride_om,
                             GROUP: gl.constexpr, HAS_BIAS: gl.constexpr, BLOCK_N: gl.constexpr,
                             BLOCK_M: gl.constexpr, STAGES: gl.constexpr, SPLIT_K: gl.constexpr,
-                            num_warps: gl.constexpr, INFLIGHT: gl.constexpr = 1, USE_PDL: gl.constexpr = False):
+                            num_warps: gl.constexpr, INFLIGHT: gl.constexpr = 1, USE_PDL: gl.constexpr = False,
+                            BITS: gl.constexpr = 4):
         """_wq_gluon_kernel's arguments and grid (INFLIGHT is always 1 here); num_warps 4: the
         consumer warpgroup (BLOCK_N 64 or 128), plus one producer warp."""
         tiles = K // _BK // SPLIT_K
         gl.assume(tiles >= 2)
+        WPT: gl.constexpr = _BK * BITS // 32  # words a row's tile
         t0 = gl.program_id(2) * tiles
         off_n = gl.program_id(0) * BLOCK_N
         off_m = gl.program_id(1) * BLOCK_M
         x_smem = gl.allocate_shared_memory(x_desc.dtype, [STAGES, BLOCK_M, _BK], x_desc.layout)
-        w_smem = gl.allocate_shared_memory(w_desc.dtype, [STAGES, BLOCK_N, _WORDS], w_desc.layout)
+        w_smem = gl.allocate_shared_memory(w_desc.dtype, [STAGES, BLOCK_N, WPT], w_desc.layout)
         ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         for i in gl.static_range(STAGES):
@@ -105,6 +108,7 @@ if HAS_GLUON:
         gl.warp_specialize([
             (_consumer, (x_smem, w_smem, ready, empty, sb_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, stride_sb,
                          stride_om, off_m, off_n, gl.program_id(0), gl.program_id(1), t0, tiles, GROUP, HAS_BIAS,
-                         BLOCK_N, BLOCK_M, STAGES, SPLIT_K, USE_PDL, num_warps)),
-            (_producer, (x_desc, w_desc, x_smem, w_smem, ready, empty, off_m, off_n, t0, tiles, STAGES, USE_PDL)),
+                         BLOCK_N, BLOCK_M, STAGES, SPLIT_K, USE_PDL, num_warps, BITS)),
+            (_producer, (x_desc, w_desc, x_smem, w_smem, ready, empty, off_m, off_n, t0, tiles, STAGES, USE_PDL,
+                         WPT)),
         ], [1], [24])

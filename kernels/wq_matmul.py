@@ -15,12 +15,13 @@ Paths by rows of x (decode_path; the crossovers were measured on an H200):
   tile right behind the load, and took 245 registers (now 168) for int4's 8 rows. Few output
   blocks split K (SPLITS): the splits add into an fp32 workspace and the last one writes the
   output and zeroes it again, so no extra launch, and nothing allocated per call (CUDA graphs).
-- int4, bf16, on sm_90: kernels/wq_gluon.py, the swapped kernel's idea in Gluon with the wgmma
-  chain kept asynchronous across K tiles, on the weight repacked into wgmma's fragment order. The
-  engine's weights are repacked at load (``prepare``: a TiledWeight, int4's only form there), and
-  take the Gluon kernel from 1 row to GLUON_ROWS' last (512), dequantize + cuBLAS above; a natural
-  weight (benchmarks, tests) takes it at GLUON_ROWS (3-512) through a repacked copy kept beside
-  it. GLUON = False (KVCASCADE_GLUON=0) turns it off: natural weights, the paths below.
+- int4 and int8 (groups of 128 or more), bf16, on sm_90: kernels/wq_gluon.py, the swapped
+  kernel's idea in Gluon with the wgmma chain kept asynchronous across K tiles, on the weight
+  repacked into wgmma's fragment order. The engine's weights are repacked at load (``prepare``: a
+  TiledWeight, their only form there), and take the Gluon kernel from 1 row to GLUON_ROWS' last
+  (512), dequantize + cuBLAS above; a natural weight (benchmarks, tests) takes it at GLUON_ROWS
+  (int4 3-512, int8 2-512) through a repacked copy kept beside it. GLUON = False
+  (KVCASCADE_GLUON=0) turns it off: natural weights, the paths below.
 - up to SWAP_MAX_ROWS rows: the swapped kernel, out^T = W x^T. The weight tile is the dot's first
   operand, which Hopper's wgmma takes from registers (its second only from shared memory), so the
   unpacked tile goes straight from registers into the tensor cores; each K tile is one group (or
@@ -534,26 +535,39 @@ def _dequantize_block_k(group: int, k: int) -> int:
 
 @jit
 def _dequantize_tiles_kernel(w_ptr, sb_ptr, out_ptr, N, stride_wn, stride_sn, stride_on, TPG: tl.constexpr,
-                             BLOCK_N: tl.constexpr, USE_PDL: tl.constexpr):
-    """One [BLOCK_N, 128] tile of W = q s + b from kernels/wq_gluon.py's tiled form (TiledWeight):
-    a row's 16 words of the tile, word 4 c + i's nibble s + 4 e holding column 32 i + 8 s + 2 c + e
-    (INT4_TILE_ORDER), and (s, b) packed in one int32 a group (TPG tiles a group). Computed in
-    float32, q s + b, as QuantizedWeight.dequantize."""
+                             BITS: tl.constexpr, BLOCK_N: tl.constexpr, USE_PDL: tl.constexpr):
+    """One [BLOCK_N, 128] tile of W = q s + b from kernels/wq_gluon.py's tiled form (TiledWeight),
+    (s, b) packed in one int32 a group (TPG tiles a group). int4: a row's 16 words of the tile, word
+    4 c + i's nibble s + 4 e holding column 32 i + 8 s + 2 c + e (INT4_TILE_ORDER); int8: 32 words,
+    word 8 c + j's bytes (u = q + 128) columns 16 j + 2 c + (0, 8, 1, 9) (INT8_TILE_ORDER).
+    Computed in float32, q s + b, as QuantizedWeight.dequantize."""
     wait_for_producer(USE_PDL)
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rows = tl.minimum(offs_n, N - 1).to(tl.int64)  # rows past N read row N - 1 (never stored)
     tile = tl.program_id(1)
-    four = tl.arange(0, 4)
-    words = tl.load(w_ptr + rows[:, None, None] * stride_wn + tile * 16 + (4 * four[:, None] + four[None, :])[None, :, :])
     sb = tl.load(sb_ptr + rows * stride_sn + tile // TPG)
     s = (sb << 16).to(tl.float32, bitcast=True)[:, None, None]
     b = (sb & -65536).to(tl.float32, bitcast=True)[:, None, None]
-    v0 = tl.join(((words >> 0) & 0xF).to(tl.float32) * s + b, ((words >> 16) & 0xF).to(tl.float32) * s + b)
-    v1 = tl.join(((words >> 4) & 0xF).to(tl.float32) * s + b, ((words >> 20) & 0xF).to(tl.float32) * s + b)
-    v2 = tl.join(((words >> 8) & 0xF).to(tl.float32) * s + b, ((words >> 24) & 0xF).to(tl.float32) * s + b)
-    v3 = tl.join(((words >> 12) & 0xF).to(tl.float32) * s + b, ((words >> 28) & 0xF).to(tl.float32) * s + b)
-    t = tl.join(tl.join(v0, v1), tl.join(v2, v3))  # [n, c, i, e, s0, s1]: s = s0 + 2 s1
-    t = tl.reshape(tl.permute(t, (0, 2, 5, 4, 1, 3)), [BLOCK_N, 128])  # column 32 i + 16 s1 + 8 s0 + 2 c + e
+    four = tl.arange(0, 4)
+    if BITS == 8:
+        eight = tl.arange(0, 8)
+        words = tl.load(w_ptr + rows[:, None, None] * stride_wn + tile * 32
+                        + (8 * four[:, None] + eight[None, :])[None, :, :])  # [n, c, j]
+        v0 = ((words & 0xFF) - 128).to(tl.float32) * s + b
+        v1 = (((words >> 8) & 0xFF) - 128).to(tl.float32) * s + b
+        v2 = (((words >> 16) & 0xFF) - 128).to(tl.float32) * s + b
+        v3 = (((words >> 24) & 0xFF) - 128).to(tl.float32) * s + b
+        t = tl.join(tl.join(v0, v2), tl.join(v1, v3))  # [n, c, j, e, h]: bytes (0, 2, 1, 3) = (e, h) (0, 1, 0, 1)
+        t = tl.reshape(tl.permute(t, (0, 2, 4, 1, 3)), [BLOCK_N, 128])  # column 16 j + 8 h + 2 c + e
+    else:
+        words = tl.load(w_ptr + rows[:, None, None] * stride_wn + tile * 16
+                        + (4 * four[:, None] + four[None, :])[None, :, :])  # [n, c, i]
+        v0 = tl.join(((words >> 0) & 0xF).to(tl.float32) * s + b, ((words >> 16) & 0xF).to(tl.float32) * s + b)
+        v1 = tl.join(((words >> 4) & 0xF).to(tl.float32) * s + b, ((words >> 20) & 0xF).to(tl.float32) * s + b)
+        v2 = tl.join(((words >> 8) & 0xF).to(tl.float32) * s + b, ((words >> 24) & 0xF).to(tl.float32) * s + b)
+        v3 = tl.join(((words >> 12) & 0xF).to(tl.float32) * s + b, ((words >> 28) & 0xF).to(tl.float32) * s + b)
+        t = tl.join(tl.join(v0, v1), tl.join(v2, v3))  # [n, c, i, e, s0, s1]: s = s0 + 2 s1
+        t = tl.reshape(tl.permute(t, (0, 2, 5, 4, 1, 3)), [BLOCK_N, 128])  # column 32 i + 16 s1 + 8 s0 + 2 c + e
     offs_k = tile * 128 + tl.arange(0, 128)
     tl.store(out_ptr + offs_n[:, None].to(tl.int64) * stride_on + offs_k[None, :], t.to(out_ptr.dtype.element_ty),
              mask=(offs_n < N)[:, None])
@@ -568,7 +582,7 @@ def dequantize(weight: QuantizedWeight | TiledWeight, dtype: torch.dtype) -> tor
         block_n = 32
         _dequantize_tiles_kernel[(triton.cdiv(n, block_n), k // wq_gluon.BLOCK_K)](
             weight.words, weight.sb, out, n, weight.words.stride(0), weight.sb.stride(0), out.stride(0),
-            TPG=weight.group_size // wq_gluon.BLOCK_K, BLOCK_N=block_n, **pdl_launch(weight.device))
+            TPG=weight.group_size // wq_gluon.BLOCK_K, BITS=weight.bits, BLOCK_N=block_n, **pdl_launch(weight.device))
         return out
     check_launchable(weight.qweight)
     n, k = weight.shape
@@ -759,12 +773,14 @@ def _gemv_words(weight: QuantizedWeight, k: int) -> torch.Tensor | None:
 # 11% in the engine (6,533 output tok/s against 7,358 with 128 here), so 128.
 GEMV_ROWS = {8: 1, 4: 2}
 SWAP_MAX_ROWS = {8: 128, 4: 64}
-# the Gluon kernel (kernels/wq_gluon.py: async wgmma chain, int4 on sm_90): the rows it takes
-# (first, last), by bits; GLUON = False turns it off. H200, µs a layer (docs/BENCHMARKS.md): at
-# 16 rows 53 against the swapped kernel's 96, at 64 82 against 194, at 128 128 against dense 295,
-# at 512 392 against dense 436; at 1024 901 against dense 815
+# the Gluon kernel (kernels/wq_gluon.py: async wgmma chain, sm_90): the rows a natural weight takes
+# it at (first, last), by bits; a tiled one from 1 row; GLUON = False turns it off. H200, µs a
+# layer (docs/BENCHMARKS.md): int4 at 16 rows 53 against the swapped kernel's 96, at 64 82 against
+# 194, at 128 128 against dense 295, at 512 392 against dense 436; at 1024 901 against dense 815;
+# int8 at 1 row 75.5 against the GEMV's 85.4, at 2 78 against 109, at 16 80 (swapped ~96), at 64
+# 100 (swapped ~149)
 GLUON = os.environ.get("KVCASCADE_GLUON", "1") != "0"  # off: natural weights, slower at 1-512 rows
-GLUON_ROWS = {4: (3, 512)}
+GLUON_ROWS = {4: (3, 512), 8: (2, 512)}
 
 
 def _capability(device: torch.device) -> tuple[int, int] | None:
@@ -776,8 +792,8 @@ def _capability(device: torch.device) -> tuple[int, int] | None:
 
 def tiles_fit(weight: QuantizedWeight) -> bool:
     """Whether the Gluon kernel can run this weight (and so it is kept in its tiled form): sm_90
-    (wgmma), int4 with bf16 scales in groups of whole 128-column tiles, an even number of them."""
-    if not (GLUON and wq_gluon.HAS_GLUON and weight.bits == 4) or interpreting():
+    (wgmma), int4 or int8 with bf16 scales in groups of whole 128-column tiles, an even number of them."""
+    if not (GLUON and wq_gluon.HAS_GLUON and weight.bits in GLUON_ROWS) or interpreting():
         return False
     return (_capability(weight.device) == (9, 0) and weight.scales.dtype == torch.bfloat16
             and weight.group_size % wq_gluon.BLOCK_K == 0 and weight.shape[1] % (2 * wq_gluon.BLOCK_K) == 0)
@@ -803,7 +819,7 @@ def decode_path(weight: QuantizedWeight | TiledWeight, rows: int, dtype: torch.d
     module docstring. A tiled weight has two: the Gluon kernel from 1 row to GLUON_ROWS' last,
     dequantize + cuBLAS above (and for x of another dtype)."""
     if isinstance(weight, TiledWeight):
-        return "gluon" if gluon and rows <= GLUON_ROWS[4][1] and dtype == torch.bfloat16 else "dense"
+        return "gluon" if gluon and rows <= GLUON_ROWS[weight.bits][1] and dtype == torch.bfloat16 else "dense"
     k = weight.shape[1]
     # float32 activations stay on the tensor cores (the GEMV takes them exactly, but was not timed so)
     if rows <= GEMV_ROWS[weight.bits] and dtype != torch.float32 and _gemv_words(weight, k) is not None:

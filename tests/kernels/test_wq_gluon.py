@@ -18,9 +18,10 @@ from kernels.wquant import QuantizedWeight, quantize, unpack_int4
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _weight(n=32, k=256, group=128) -> QuantizedWeight:
-    w = quantize(torch.randn(n, k), 4, group)
-    w.scales, w.biases = w.scales.bfloat16(), w.biases.bfloat16()
+def _weight(n=32, k=256, group=128, bits=4) -> QuantizedWeight:
+    w = quantize(torch.randn(n, k), bits, group)
+    w.scales = w.scales.bfloat16()
+    w.biases = None if w.biases is None else w.biases.bfloat16()
     return w
 
 
@@ -50,6 +51,40 @@ def test_the_kernels_tile_is_the_weight_in_natural_column_order():
     torch.testing.assert_close(t, w.dequantize(torch.bfloat16), rtol=0, atol=0)
 
 
+def test_int8_repacked_words_hold_the_same_weight_and_the_unpacking_is_exact():
+    """int8's tiles: the words dequantize to the weight exactly, and what _UNPACK8 computes, in
+    torch (a byte pair's high nibbles into bf16 256.0's mantissa, its low ones into 128.0's, less
+    512, plus, times s, each step in bf16), joined, permuted and reshaped as _unpack_tile does, is
+    the dequantized weight's tile in natural column order."""
+    w = _weight(n=16, k=256, bits=8)
+    w.qweight[0, :4] = torch.tensor([-127, 127, 0, -1], dtype=torch.int8)  # the ends of the range
+    tiles = wq_gluon.tile_weight(w)
+    assert tiles.bits == 8 and tiles.words.shape == (16, 64) and tiles.shape == w.shape
+    torch.testing.assert_close(tiles.dequantize(), w.dequantize(), rtol=0, atol=0)
+    assert sorted(wq_gluon.INT8_TILE_ORDER.tolist()) == list(range(128))
+    words = tiles.words[:, :32].long() & 0xFFFFFFFF  # the first tile
+    s = w.scales[:, :1].float().double()
+
+    def pair(v):  # (w >> shift)'s bytes 0 and 2 -> q s as bf16, per _UNPACK8
+        hi = (((v >> 1) & 0x00780078) >> 3).double()  # h at bits 3..6 of each half: 256 + 16 h
+        lo = (v & 0x000F000F).double()
+        h0, h2 = (hi.long() & 0xF), (hi.long() >> 16)
+        l0, l2 = (lo.long() & 0xF), (lo.long() >> 16)
+        out = []
+        for h, l in ((h0, l0), (h2, l2)):
+            a_hi = (256 + 16 * h).double().bfloat16()
+            a_lo = (128 + l).double().bfloat16()
+            q = ((a_hi.double() - 512).bfloat16().double() + a_lo.double()).bfloat16()
+            out.append((q.double() * s).bfloat16())
+        return out  # (e = 0, e = 1)
+
+    r0 = pair(words)
+    r1 = pair(words >> 8)
+    t = torch.stack((torch.stack(r0, -1), torch.stack(r1, -1)), -2)  # [n, u, h, e]
+    t = t.reshape(16, 4, 8, 2, 2).permute(0, 2, 3, 1, 4).reshape(16, 128)
+    torch.testing.assert_close(t, w.dequantize(torch.bfloat16)[:, :128], rtol=0, atol=0)
+
+
 def test_pack_scales_puts_s_low_and_b_high():
     s, b = torch.tensor([[1.5, -2.0]]).bfloat16(), torch.tensor([[0.25, 3.0]]).bfloat16()
     sb = wq_gluon.pack_scales(s, b)
@@ -73,9 +108,9 @@ def test_routing_takes_the_kernel_only_where_it_can_run(monkeypatch):
     assert wq_matmul.decode_path(w, 16, torch.float16) != "gluon"  # the unpacking is bf16's
     assert wq_matmul.decode_path(w, 16, torch.bfloat16, gluon=False) != "gluon"
     assert wq_matmul.decode_path(_weight(k=256, group=64), 16, torch.bfloat16) != "gluon"  # a tile in one group
-    w8 = quantize(torch.randn(32, 256), 8, 128)
-    w8.scales = w8.scales.bfloat16()
-    assert wq_matmul.decode_path(w8, 16, torch.bfloat16) != "gluon"
+    w8 = _weight(k=256, bits=8)  # int8: the same kernel (BITS 8) from 2 rows; 1 row stays the GEMV's
+    assert wq_matmul.decode_path(w8, 16, torch.bfloat16) == "gluon"
+    assert wq_matmul.decode_path(w8, 1, torch.bfloat16) == "gemv"
     monkeypatch.setattr(wq_matmul, "_capability", lambda device: (10, 0))
     assert wq_matmul.decode_path(w, 16, torch.bfloat16) != "gluon"
     monkeypatch.setattr(wq_matmul, "_capability", lambda device: (9, 0))
@@ -100,9 +135,9 @@ def test_prepare_tiles_the_weight_only_where_the_kernel_runs(monkeypatch):
     assert tiles.nbytes() == w.qweight.numel() + 2 * w.scales.numel() * 2  # the same bytes, s and b in one int32
     torch.testing.assert_close(tiles.dequantize(), w.dequantize(), rtol=0, atol=0)
     assert wq_matmul.prepare(_weight(k=256, group=64)) is None  # a tile in one group
-    w8 = quantize(torch.randn(32, 256), 8, 128)
-    w8.scales = w8.scales.bfloat16()
-    assert wq_matmul.prepare(w8) is None
+    tiles8 = wq_matmul.prepare(_weight(k=256, bits=8))
+    assert isinstance(tiles8, wq_gluon.TiledWeight) and tiles8.bits == 8 and tiles8.nbytes() == 32 * 256 + 32 * 2 * 4
+    assert wq_matmul.prepare(_weight(k=128)) is None  # one tile: the loop takes two an iteration
     # a tiled weight's paths: the kernel from 1 row, dequantize + cuBLAS above its rows or for another dtype
     _, hi = wq_matmul.GLUON_ROWS[4]
     for rows in (1, 2, 16, hi):
@@ -111,11 +146,12 @@ def test_prepare_tiles_the_weight_only_where_the_kernel_runs(monkeypatch):
     assert wq_matmul.decode_path(tiles, 1, torch.float32) == "dense"
 
 
-@pytest.mark.parametrize("group,k,n", [(128, 256, 32), (256, 512, 40), (512, 512, 7)])
-def test_tiles_dequantize_kernel_matches_the_reference(group, k, n):
+@pytest.mark.parametrize("bits,group,k,n", [(4, 128, 256, 32), (4, 256, 512, 40), (4, 512, 512, 7), (8, 128, 256, 32),
+                                            (8, 256, 512, 7)])
+def test_tiles_dequantize_kernel_matches_the_reference(bits, group, k, n):
     """The dense path's one pass over a tiled weight (above 512 rows): its tiles' permutation and
     (s, b) unpacked, row edges masked; against QuantizedWeight.dequantize of the natural weight."""
-    w = _weight(n=n, k=k, group=group)
+    w = _weight(n=n, k=k, group=group, bits=bits)
     tiles = wq_gluon.tile_weight(w)
     torch.testing.assert_close(wq_matmul.dequantize(tiles, torch.float32), w.dequantize(), rtol=0, atol=0)
     # bf16: the float32 value in one bf16 step (the interpreter truncates where a GPU rounds)
@@ -125,6 +161,8 @@ def test_tiles_dequantize_kernel_matches_the_reference(group, k, n):
     torch.testing.assert_close(wq_matmul.wq_matmul(x, tiles, path="dense"), x @ w.dequantize().T, atol=1e-4, rtol=1e-5)
     with pytest.raises(AssertionError, match="tiled weight has no swapped path"):
         wq_matmul.wq_matmul(x, tiles, path="swapped")
+    ids = torch.tensor([n - 1, 0, 2])  # a tied LM head's embedding rows
+    torch.testing.assert_close(tiles.rows(ids, torch.float32), w.dequantize()[ids], rtol=0, atol=0)
 
 
 def test_a_finalized_projection_keeps_only_the_tiles(monkeypatch):
@@ -237,20 +275,23 @@ tmp = tempfile.mkdtemp()
 ptx_path, cubin_path = os.path.join(tmp, "k.ptx"), os.path.join(tmp, "k.cubin")
 from kernels import wq_gluon_ws
 
-for bn, warps, bm, stages, split, ws in ((64, 4, 16, 4, 2, False), (64, 4, 128, 3, 1, False), (128, 8, 64, 4, 1, False),
-                                         (128, 4, 16, 4, 2, False), (64, 4, 16, 4, 2, True), (64, 4, 64, 4, 1, True)):
+for bits, bn, warps, bm, stages, split, ws in (
+        (4, 64, 4, 16, 4, 2, False), (4, 64, 4, 128, 3, 1, False), (4, 128, 8, 64, 4, 1, False),
+        (4, 128, 4, 16, 4, 2, False), (4, 64, 4, 16, 4, 2, True), (4, 64, 4, 64, 4, 1, True),
+        (8, 64, 4, 16, 4, 2, False), (8, 128, 4, 16, 4, 1, False), (8, 64, 4, 16, 4, 2, True)):
+    wpt = 128 * bits // 32
     xl = gl.NVMMASharedLayout.get_default_for([bm, 128], gl.bfloat16)
-    wl = gl.NVMMASharedLayout.get_default_for([bn, 16], gl.int32)
-    sig = {"x_desc": f"tensordesc<bf16[{bm}, 128],{xl!r}>", "w_desc": f"tensordesc<i32[{bn}, 16],{wl!r}>",
+    wl = gl.NVMMASharedLayout.get_default_for([bn, wpt], gl.int32)
+    sig = {"x_desc": f"tensordesc<bf16[{bm}, 128],{xl!r}>", "w_desc": f"tensordesc<i32[{bn}, {wpt}],{wl!r}>",
            "sb_ptr": "*i32", "bias_ptr": "*bf16", "out_ptr": "*bf16", "ws_ptr": "*fp32", "cnt_ptr": "*i32",
            "M": "i32", "N": "i32", "K": "i32", "stride_sb": "i32", "stride_om": "i32"}
     cst = dict(GROUP=128, HAS_BIAS=False, BLOCK_N=bn, BLOCK_M=bm, STAGES=stages, SPLIT_K=split, num_warps=warps,
-               INFLIGHT=1, USE_PDL=True)
+               INFLIGHT=1, USE_PDL=True, BITS=bits)
     sig.update({k: "constexpr" for k in cst})
     fn = wq_gluon_ws._wq_gluon_ws_kernel if ws else wq_gluon._wq_gluon_kernel
     options = {"num_warps": warps, **({"maxnreg": wq_gluon.WS_MAXNREG[bm]} if ws else {})}
     kernel = triton.compile(GluonASTSource(fn, sig, cst), target=GPUTarget("cuda", 90, 32), options=options)
-    label = f"{warps} warps, {bm} rows, {stages} stages, split {split}, warp-specialized {ws}"
+    label = f"int{bits}, {warps} warps, {bm} rows, {stages} stages, split {split}, warp-specialized {ws}"
     ttgir, ptx = kernel.asm["ttgir"], kernel.asm["ptx"]
     assert "isAsync = true" in ttgir and "pendings = 1" in ttgir, label + ": no asynchronous wgmma"
     assert ws == ("setmaxnreg" in kernel.asm["ptx"]), label
