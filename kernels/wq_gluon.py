@@ -60,6 +60,13 @@ HAS_GLUON = gluon is not None
 # a programmatic dependent launch (the weights' first stages fetched before the wait for the
 # kernel before); KVCASCADE_GLUON_PDL=0 launches it plainly (the A/B), as KVCASCADE_PDL=0 does all
 PDL = os.environ.get("KVCASCADE_GLUON_PDL", "1") != "0"
+# when the next kernel may be scheduled: right after the wait for the one before, or late, once
+# the main loop is done (the next kernel's programs then take no SM slots from this one's). H200,
+# alternating runs (docs/BENCHMARKS.md): late, int8 batch 1 3.21 against 3.33 ms, batch 16 3.34
+# against 3.43, int4 -1%; batch 64 int8 4.53 against 4.37: late up to PDL_LATE_ROWS rows of x.
+# KVCASCADE_GLUON_PDL_LATE=0 / 1: never / always late (A/B)
+PDL_LATE_ROWS = 16
+PDL_LATE = {"0": False, "1": True}.get(os.environ.get("KVCASCADE_GLUON_PDL_LATE", ""))
 BLOCK_K = 128  # columns a tile: 16 int32 words of a row (int4), 32 (int8)
 _BK = gl.constexpr(BLOCK_K) if gl else BLOCK_K  # the kernels' name for it
 
@@ -264,7 +271,8 @@ if HAS_GLUON:
     def _wq_gluon_kernel(x_desc, w_desc, sb_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K, stride_sb, stride_om,
                          GROUP: gl.constexpr, HAS_BIAS: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr,
                          STAGES: gl.constexpr, SPLIT_K: gl.constexpr, num_warps: gl.constexpr,
-                         INFLIGHT: gl.constexpr = 1, USE_PDL: gl.constexpr = False, BITS: gl.constexpr = 4):
+                         INFLIGHT: gl.constexpr = 1, USE_PDL: gl.constexpr = False, BITS: gl.constexpr = 4,
+                         LATE_LAUNCH: gl.constexpr = False):
         """Program (i, j, s) owns out[j BLOCK_M:, i BLOCK_N:] over split s of K's tiles (the host
         makes the splits equal, of an even number of tiles). A warpgroup owns BLOCK_N / (num_warps /
         4) rows (64 or 128: one or two wgmma along M). INFLIGHT: wgmma groups left in flight at
@@ -302,7 +310,7 @@ if HAS_GLUON:
         TPG: gl.constexpr = GROUP // _BK  # tiles a group
         sb = gl.load(sb_ptrs + t0 // TPG)
         if USE_PDL:  # x (and out, ws) only after it
-            _pdl_wait()
+            _pdl_wait(not LATE_LAUNCH)
         for i in gl.static_range(STAGES - 1):
             tma.async_copy_global_to_shared(x_desc, [off_m, (t0 + i) * _BK], bars.index(i), x_smem.index(i),
                                             i < tiles)
@@ -316,6 +324,8 @@ if HAS_GLUON:
             acc, sb = _tile(2 * j + 1, t0, tiles, acc, sb, sb_ptrs, x_desc, w_desc, x_smem, w_smem, bars, off_m,
                             off_n, a_layout, w_layout, BLOCK_N, STAGES, TPG, INFLIGHT, BITS)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+        if USE_PDL and LATE_LAUNCH:
+            _pdl_launch()
         for i in gl.static_range(STAGES):
             mbarrier.invalidate(bars.index(i))
 
@@ -323,9 +333,15 @@ if HAS_GLUON:
                BLOCK_N, BLOCK_M, SPLIT_K)
 
     @gluon.jit
-    def _pdl_wait():
-        """kernels/_triton.py's wait_for_producer in Gluon."""
+    def _pdl_wait(LAUNCH: gl.constexpr = True):
+        """kernels/_triton.py's wait_for_producer in Gluon (LAUNCH: and the next kernel scheduled now)."""
         gl.inline_asm_elementwise("griddepcontrol.wait; // dummy $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
+        if LAUNCH:
+            _pdl_launch()
+
+    @gluon.jit
+    def _pdl_launch():
+        """The next kernel (launched with PDL) may be scheduled once every program got here."""
         gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // dummy $0", "=r", [], dtype=gl.int32,
                                   is_pure=False, pack=1)
 

@@ -139,4 +139,5 @@ def _launch(x: torch.Tensor, words: torch.Tensor, sb: torch.Tensor, group: int, 
     kernel[grid](x_desc, w_desc, sb, out if bias is None else bias, out, ws, cnt, m, n, k, sb.stride(0),
                  out.stride(0), GROUP=group, HAS_BIAS=bias is not None, BLOCK_N=bn, BLOCK_M=bm,
                  STAGES=config["STAGES"], SPLIT_K=split, num_warps=warps, INFLIGHT=config.get("INFLIGHT", 1), BITS=bits,
+                 LATE_LAUNCH=m <= wq_gluon_mod.PDL_LATE_ROWS if wq_gluon_mod.PDL_LATE is None else wq_gluon_mod.PDL_LATE,
                  **(pdl_launch(x.device) if wq_gluon_mod.PDL else dict(USE_PDL=False, launch_pdl=False)), **extra)

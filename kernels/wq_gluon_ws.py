@@ -24,7 +24,7 @@ if HAS_GLUON:
 
     @gluon.jit
     def _producer(x_desc, w_desc, x_smem, w_smem, ready, empty, off_m, off_n, t0, tiles, STAGES: gl.constexpr,
-                  USE_PDL: gl.constexpr, WPT: gl.constexpr):
+                  USE_PDL: gl.constexpr, WPT: gl.constexpr, LATE_LAUNCH: gl.constexpr):
         """The TMA ring: the weights' first stages before the wait for the kernel before (PDL), x's
         after, then each tile once the consumer released the tile STAGES before it."""
         nbytes: gl.constexpr = x_desc.block_type.nbytes + w_desc.block_type.nbytes
@@ -33,7 +33,7 @@ if HAS_GLUON:
             mbarrier.expect(ready.index(i), nbytes, pred=pred)
             tma.async_copy_global_to_shared(w_desc, [off_n, (t0 + i) * WPT], ready.index(i), w_smem.index(i), pred)
         if USE_PDL:
-            _pdl_wait()
+            _pdl_wait(not LATE_LAUNCH)  # late: the consumer's wait at the end schedules the next kernel
         for i in gl.static_range(STAGES):
             tma.async_copy_global_to_shared(x_desc, [off_m, (t0 + i) * _BK], ready.index(i), x_smem.index(i),
                                             i < tiles)
@@ -88,7 +88,7 @@ if HAS_GLUON:
                             GROUP: gl.constexpr, HAS_BIAS: gl.constexpr, BLOCK_N: gl.constexpr,
                             BLOCK_M: gl.constexpr, STAGES: gl.constexpr, SPLIT_K: gl.constexpr,
                             num_warps: gl.constexpr, INFLIGHT: gl.constexpr = 1, USE_PDL: gl.constexpr = False,
-                            BITS: gl.constexpr = 4):
+                            BITS: gl.constexpr = 4, LATE_LAUNCH: gl.constexpr = False):
         """_wq_gluon_kernel's arguments and grid (INFLIGHT is always 1 here); num_warps 4: the
         consumer warpgroup (BLOCK_N 64 or 128), plus one producer warp."""
         tiles = K // _BK // SPLIT_K
@@ -110,5 +110,5 @@ if HAS_GLUON:
                          stride_om, off_m, off_n, gl.program_id(0), gl.program_id(1), t0, tiles, GROUP, HAS_BIAS,
                          BLOCK_N, BLOCK_M, STAGES, SPLIT_K, USE_PDL, num_warps, BITS)),
             (_producer, (x_desc, w_desc, x_smem, w_smem, ready, empty, off_m, off_n, t0, tiles, STAGES, USE_PDL,
-                         WPT)),
+                         WPT, LATE_LAUNCH)),
         ], [1], [24])

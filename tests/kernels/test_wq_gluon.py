@@ -286,7 +286,7 @@ for bits, bn, warps, bm, stages, split, ws in (
            "sb_ptr": "*i32", "bias_ptr": "*bf16", "out_ptr": "*bf16", "ws_ptr": "*fp32", "cnt_ptr": "*i32",
            "M": "i32", "N": "i32", "K": "i32", "stride_sb": "i32", "stride_om": "i32"}
     cst = dict(GROUP=128, HAS_BIAS=False, BLOCK_N=bn, BLOCK_M=bm, STAGES=stages, SPLIT_K=split, num_warps=warps,
-               INFLIGHT=1, USE_PDL=True, BITS=bits)
+               INFLIGHT=1, USE_PDL=True, BITS=bits, LATE_LAUNCH=bits == 8)  # both PDL schedules
     sig.update({k: "constexpr" for k in cst})
     fn = wq_gluon_ws._wq_gluon_ws_kernel if ws else wq_gluon._wq_gluon_kernel
     options = {"num_warps": warps, **({"maxnreg": wq_gluon.WS_MAXNREG[bm]} if ws else {})}
@@ -299,6 +299,13 @@ for bits, bn, warps, bm, stages, split, ws in (
     # the weights' first stages are asked for before the wait for the kernel before (PDL); the
     # warp-specialized kernel's consumer (its wait before the stores) comes first in the PTX
     assert ws or ptx.index("cp.async.bulk.tensor") < ptx.index("griddepcontrol.wait"), label
+    # a late launch: the next kernel scheduled only after the main loop's last wgmma wait (the
+    # warp-specialized kernel: by its consumer's wait at the end only, not also its producer's)
+    launch, drained = ptx.index("griddepcontrol.launch_dependents"), ptx.index("wgmma.wait_group.sync.aligned 0")
+    if ws:
+        assert ptx.count("griddepcontrol.launch_dependents") == (1 if bits == 8 else 2), label
+    else:
+        assert (launch > drained) == (bits == 8), label
     assert not inflight_writes(ptx), label + ": " + str(inflight_writes(ptx)[:3])
     with open(ptx_path, "w") as f:
         f.write(ptx)
