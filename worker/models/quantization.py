@@ -3,8 +3,8 @@ how (the plan), the weight such a projection holds in place of a float Parameter
 
     plan (QuantSpec per projection)  ->  QuantizedLinearWeight buffers (kernels/wquant.py's layout)
       -> load: each full checkpoint tensor, float or packed, narrowed to this rank's shard and copied
-      -> finalize: the device's form (CPU: torch's packed int4/int8 kernels' layout; sm_90 int4:
-         the Gluon kernel's tiles, kernels/wq_gluon.py)
+      -> finalize: the device's form (CPU: torch's packed int4/int8 kernels' layout; sm_90, int4
+         and int8 in groups of 128 or more: the Gluon kernel's tiles, kernels/wq_gluon.py)
       -> matmul: CUDA: the Triton W4A16/W8A16 kernel; CPU: torch's kernels; else dequantize + F.linear
 
 The LM head is int8 whenever anything is quantized (llama.cpp's Q4_K_M keeps it at 6 bits: its
@@ -89,7 +89,7 @@ class QuantizedLinearWeight(nn.Module):
         self.register_buffer("biases", w.biases)
         self.shape = (out_features, in_features)
         self._cpu: tuple[torch.Tensor, torch.Tensor] | None = None  # torch's CPU kernel's (weight, scales)
-        self._tiles: TiledWeight | None = None  # the Gluon kernel's form (sm_90 int4), after finalize
+        self._tiles: TiledWeight | None = None  # the Gluon kernel's form (sm_90), after finalize
 
     @property
     def data(self) -> QuantizedWeight | TiledWeight:
@@ -109,8 +109,8 @@ class QuantizedLinearWeight(nn.Module):
     def finalize(self) -> None:
         """After loading: on CPU, build torch's packed form (the int4 one replaces the generic
         nibbles; int8's weight is the generic one, kept for embedding lookups); on a GPU, the form
-        its kernels want (kernels/wq_matmul.prepare: on sm_90, int4 repacked into the Gluon
-        kernel's tiles, which replace the natural nibbles), before the KV pool is sized."""
+        its kernels want (kernels/wq_matmul.prepare: on sm_90, int4 and int8 repacked into
+        the Gluon kernel's tiles, which replace the natural nibbles), before the KV pool is sized."""
         if self.qweight.device.type != "cpu":
             from kernels import HAS_TRITON
 
