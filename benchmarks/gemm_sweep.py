@@ -33,6 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from kernels._triton import triton  # noqa: E402
 from kernels.matmul import CANDIDATES, tiled_matmul  # noqa: E402
+from kernels.wq_gluon_tune import graph_us  # noqa: E402
 
 SHAPES = {"qkv": (6144, 4096), "o_proj": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}  # N, K
 DTYPE = torch.bfloat16
@@ -44,23 +45,9 @@ Timer = Callable[[list[Callable[[], object]], int], float]
 
 
 def graph_time_us(calls: list[Callable[[], object]], replays: int) -> float:
-    """Microseconds per call: ``calls`` captured once into a CUDA graph, replayed ``replays`` times."""
-    for call in calls:  # compile and warm up (Triton JIT, cuBLAS handles) outside the capture
-        call()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for call in calls:
-            call()
-    graph.replay()  # the first replay uploads the graph
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(replays):
-        graph.replay()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) * 1e3 / (replays * len(calls))
+    """Microseconds per call: ``calls`` captured once into a CUDA graph, replayed ``replays`` times
+    (kernels/wq_gluon_tune.graph_us, one timing)."""
+    return graph_us(calls, samples=1, replays=replays)
 
 
 def wall_time_us(calls: list[Callable[[], object]], replays: int) -> float:

@@ -208,7 +208,7 @@ if HAS_GLUON:
         of rows r and r + 8 of its warp's 16, the rows of wgmma's A fragment (c: the lane in its
         quad), and the same again every 16 num_warps rows (wgmma's repeats along M when a warpgroup
         owns 128 rows or more)."""
-        per = 4 * bits // 4  # words a thread's row
+        per = bits  # words a thread's row: 4 (int4), 8 (int8)
         warps = [[16 << i, 0] for i in range(num_warps.bit_length() - 1)]
         reps = [[16 * num_warps << i, 0] for i in range((block_n // (16 * num_warps)).bit_length() - 1)]
         regs = [[0, 1 << i] for i in range(per.bit_length() - 1)]

@@ -848,15 +848,16 @@ def wq_matmul(x: torch.Tensor, weight: QuantizedWeight | TiledWeight, bias: torc
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m == 0:
         return out
-    if path is None:
+    if path is None:  # routing checked the weight, the rows and x's dtype; x's layout here
         path = decode_path(weight, m, x.dtype)
         if path == "gluon" and not wq_gluon.x_fits(x):  # x as TMA cannot read it
             if tiled:  # no other kernel below 512 rows: an aligned copy of x
                 x = x.clone(memory_format=torch.contiguous_format)
             else:
                 path = decode_path(weight, m, x.dtype, gluon=False)
-    if path == "gluon":
+    elif path == "gluon":
         assert wq_gluon.gluon_fits(x, weight), "wq_matmul: the Gluon kernel cannot take this call"
+    if path == "gluon":
         ws, cnt = _workspace(x.device, n, -(-n // 64) * -(-WORKSPACE_ROWS // 16))  # a counter a block
         tiles = wq_gluon.gluon_weight(weight)
         cfg = config or wq_gluon_tune.tuned_config(x, tiles, out, bias, ws, cnt, WORKSPACE_ROWS)
