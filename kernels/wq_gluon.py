@@ -372,7 +372,7 @@ if HAS_GLUON:
             gl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-WS_MAXNREG = {16: 64, 32: 80, 64: 80}  # the warp-specialized kernel's register cap, by BLOCK_M
+WS_MAXNREG = {8: 64, 16: 64, 32: 80, 64: 80}  # the warp-specialized kernel's register cap, by BLOCK_M
 
 
 _repacked: dict[tuple, tuple] = {}

@@ -16,24 +16,27 @@ from kernels.wq_gluon import BLOCK_K, TiledWeight
 # wgmma M) or 128 (two, which halves the loop's per-tile instructions a weight: 2.8 against 3.3 in
 # the sm_90 SASS at 16 rows), each with the K splits below where the rows fit the split workspace
 # (the engine's rows up to 64); 128 rows a warpgroup at 128 rows of x would spill
-GLUON_TILES = [(64, 4, 16, 4), (64, 4, 16, 6), (128, 8, 16, 4), (128, 4, 16, 4), (128, 4, 16, 6), (256, 8, 16, 4),
-               (64, 4, 32, 4), (128, 8, 32, 4), (128, 4, 32, 4), (64, 4, 64, 4), (128, 8, 64, 3), (128, 8, 64, 4),
-               (128, 4, 64, 3), (64, 4, 128, 2), (64, 4, 128, 3), (64, 4, 128, 4), (128, 8, 128, 3), (64, 4, 256, 2),
-               (128, 8, 256, 2)]
+GLUON_TILES = [(64, 4, 8, 4), (128, 4, 8, 4), (128, 8, 8, 4), (64, 4, 16, 4), (64, 4, 16, 6), (128, 8, 16, 4),
+               (128, 4, 16, 4), (128, 4, 16, 6), (256, 8, 16, 4), (64, 4, 32, 4), (128, 8, 32, 4), (128, 4, 32, 4),
+               (64, 4, 64, 4), (128, 8, 64, 3), (128, 8, 64, 4), (128, 4, 64, 3), (64, 4, 128, 2), (64, 4, 128, 3),
+               (64, 4, 128, 4), (128, 8, 128, 3), (64, 4, 256, 2), (128, 8, 256, 2)]
 # the warp-specialized kernel's tiles (kernels/wq_gluon_ws.py; a fifth field, WS): 4 consumer warps,
-# registers capped so that 3-4 CTAs fit an SM (wq_gluon.WS_MAXNREG)
-GLUON_WS_TILES = [(64, 4, 16, 4, True), (64, 4, 16, 6, True), (64, 4, 32, 4, True), (64, 4, 64, 4, True)]
+# registers capped so that 3-4 CTAs fit an SM (wq_gluon.WS_MAXNREG). BLOCK_M 8 (wgmma's narrowest N,
+# up to 8 rows of x) took every Llama-3.1-8B projection and the int8 LM head at 1 and 8 rows on an H200
+# (docs/BENCHMARKS.md): gate_up at 1 row 24.6 µs against 30.7 with BLOCK_M 16 (int4), 35.9 against 41.2 (int8)
+GLUON_WS_TILES = [(64, 4, 8, 4, True), (64, 4, 8, 6, True), (64, 4, 16, 4, True), (64, 4, 16, 6, True),
+                  (64, 4, 32, 4, True), (64, 4, 64, 4, True)]
 GLUON_SPLITS = (1, 2, 4, 8)
 
 
 def rows_block(m: int) -> int:
-    """The BLOCK_M bucket of ``m`` rows: the power of two from 16 to 256."""
-    return min(256, max(16, 1 << (m - 1).bit_length()))
+    """The BLOCK_M bucket of ``m`` rows: the power of two from 8 (wgmma's narrowest N) to 256."""
+    return min(256, max(8, 1 << (m - 1).bit_length()))
 
 
 def gluon_configs(m: int, n: int, k: int, split_rows: int, tiles: list[tuple] | None = None) -> list[dict]:
     """The tiles (GLUON_TILES, or ``tiles``) worth timing for ``m`` rows: BLOCK_M at the rows'
-    bucket or half of it (from 16), K splits into equal, even numbers of tiles while the blocks are
+    bucket or half of it (from 16; 8 rows or fewer: 8 or 16), K splits into equal, even numbers of tiles while the blocks are
     few (~4 waves of 132 SMs). K must be an even number of tiles (gluon_fits)."""
     bucket = rows_block(m)
     out = []

@@ -189,7 +189,8 @@ def test_a_finalized_projection_keeps_only_the_tiles(monkeypatch):
 
 
 def test_configs_split_only_evenly_and_within_the_workspace():
-    for m in (3, 16, 64, 128, 256):
+    assert [wq_gluon_tune.rows_block(m) for m in (1, 8, 9, 16, 17, 300)] == [8, 8, 16, 16, 32, 256]
+    for m in (1, 3, 16, 64, 128, 256):
         for cfg in wq_gluon_tune.gluon_configs(m, 4096, 14336, 64):
             assert cfg["BLOCK_M"] in (wq_gluon_tune.rows_block(m), max(16, wq_gluon_tune.rows_block(m) // 2))
             if cfg["SPLIT_K"] > 1:
@@ -278,7 +279,8 @@ from kernels import wq_gluon_ws
 for bits, bn, warps, bm, stages, split, ws in (
         (4, 64, 4, 16, 4, 2, False), (4, 64, 4, 128, 3, 1, False), (4, 128, 8, 64, 4, 1, False),
         (4, 128, 4, 16, 4, 2, False), (4, 64, 4, 16, 4, 2, True), (4, 64, 4, 64, 4, 1, True),
-        (8, 64, 4, 16, 4, 2, False), (8, 128, 4, 16, 4, 1, False), (8, 64, 4, 16, 4, 2, True)):
+        (8, 64, 4, 16, 4, 2, False), (8, 128, 4, 16, 4, 1, False), (8, 64, 4, 16, 4, 2, True),
+        (4, 64, 4, 8, 4, 2, True), (4, 128, 8, 8, 4, 2, False), (8, 64, 4, 8, 6, 2, True)):
     wpt = 128 * bits // 32
     xl = gl.NVMMASharedLayout.get_default_for([bm, 128], gl.bfloat16)
     wl = gl.NVMMASharedLayout.get_default_for([bn, wpt], gl.int32)
