@@ -24,8 +24,10 @@ GLUON_TILES = [(64, 4, 8, 4), (128, 4, 8, 4), (128, 8, 8, 4), (64, 4, 16, 4), (6
 # registers capped so that 3-4 CTAs fit an SM (wq_gluon.WS_MAXNREG). BLOCK_M 8 (wgmma's narrowest N,
 # up to 8 rows of x) took every Llama-3.1-8B projection and the int8 LM head at 1 and 8 rows on an H200
 # (docs/BENCHMARKS.md): gate_up at 1 row 24.6 µs against 30.7 with BLOCK_M 16 (int4), 35.9 against 41.2 (int8)
-GLUON_WS_TILES = [(64, 4, 8, 4, True), (64, 4, 8, 6, True), (64, 4, 16, 4, True), (64, 4, 16, 6, True),
-                  (64, 4, 32, 4, True), (64, 4, 64, 4, True)]
+# A sixth field, NC 2: two consumer warpgroups taking alternate tiles (o_proj at 1 row 5.6 µs against 6.2,
+# int8 7.5 against 8.3; gate_up and the LM head slower with it)
+GLUON_WS_TILES = [(64, 4, 8, 3, True), (64, 4, 8, 4, True), (128, 4, 8, 4, True), (64, 4, 8, 4, True, 2),
+                  (64, 4, 16, 4, True), (64, 4, 16, 6, True), (64, 4, 32, 4, True), (64, 4, 64, 4, True)]
 GLUON_SPLITS = (1, 2, 4, 8)
 
 
@@ -40,15 +42,18 @@ def gluon_configs(m: int, n: int, k: int, split_rows: int, tiles: list[tuple] | 
     few (~4 waves of 132 SMs). K must be an even number of tiles (gluon_fits)."""
     bucket = rows_block(m)
     out = []
-    for bn, warps, bm, stages, *ws in tiles or GLUON_TILES:
+    for bn, warps, bm, stages, *flags in tiles or GLUON_TILES:
         if bm not in (bucket, max(16, bucket // 2)):
             continue
+        ws, nc = bool(flags and flags[0]), (flags[1] if len(flags) > 1 and flags[0] else 1)
         blocks = -(-n // bn) * -(-m // bm)
         for split in GLUON_SPLITS:
-            if split > 1 and (m > split_rows or (k // BLOCK_K) % (2 * split) or blocks * split > 528):
+            if (k // BLOCK_K) % (2 * split * nc) or (split * nc > 1 and m > split_rows):
                 continue
-            out.append(dict(BLOCK_N=bn, num_warps=warps, BLOCK_M=bm, STAGES=stages, SPLIT_K=split,
-                            WS=bool(ws and ws[0])))
+            if split > 1 and blocks * split > 528:
+                continue
+            out.append(dict(BLOCK_N=bn, num_warps=warps, BLOCK_M=bm, STAGES=stages, SPLIT_K=split, WS=ws,
+                            **({"NC": nc} if nc > 1 else {})))
     return out
 
 
@@ -138,7 +143,7 @@ def _launch(x: torch.Tensor, words: torch.Tensor, sb: torch.Tensor, group: int, 
     if config.get("WS"):
         from kernels.wq_gluon_ws import _wq_gluon_ws_kernel as kernel
 
-        extra = dict(maxnreg=wq_gluon_mod.WS_MAXNREG[bm])
+        extra = dict(maxnreg=wq_gluon_mod.ws_maxnreg(bm, bn), **({"NC": config["NC"]} if config.get("NC", 1) > 1 else {}))
     kernel[grid](x_desc, w_desc, sb, out if bias is None else bias, out, ws, cnt, m, n, k, sb.stride(0),
                  out.stride(0), GROUP=group, HAS_BIAS=bias is not None, BLOCK_N=bn, BLOCK_M=bm,
                  STAGES=config["STAGES"], SPLIT_K=split, num_warps=warps, INFLIGHT=config.get("INFLIGHT", 1), BITS=bits,

@@ -22,6 +22,8 @@ if HAS_GLUON:
 
     from kernels.wq_gluon import _BK, _pdl_wait, _store, _unpack_tile, _words_layout
 
+    WS_NC2_REGS = gl.constexpr(64)  # the second consumer warpgroup's registers (a worker partition's)
+
     @gluon.jit
     def _producer(x_desc, w_desc, x_smem, w_smem, ready, empty, off_m, off_n, t0, tiles, STAGES: gl.constexpr,
                   USE_PDL: gl.constexpr, WPT: gl.constexpr, LATE_LAUNCH: gl.constexpr):
@@ -47,22 +49,29 @@ if HAS_GLUON:
     @gluon.jit
     def _consumer_tile(i, t0, tiles, acc, sb, sb_ptrs, x_smem, w_smem, ready, empty, a_layout: gl.constexpr,
                        w_layout: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, TPG: gl.constexpr,
-                       BITS: gl.constexpr):
-        """Tile i: its wgmma issued, tile i - 1's retired and its stage released."""
+                       BITS: gl.constexpr, NC: gl.constexpr = 1):
+        """Tile i: its wgmma issued, the consumer's tile before (i - NC) retired and its stage
+        released (NC 2: two consumer warpgroups take alternate tiles; one retires each tile in its
+        own step and releases it there, so that the two hold 2 stages, not 4)."""
         stage = i % STAGES
-        sb_next = gl.load(sb_ptrs + (t0 + gl.minimum(i + 1, tiles - 1)) // TPG)
+        sb_next = gl.load(sb_ptrs + (t0 + gl.minimum(i + NC, tiles - 1)) // TPG)
         mbarrier.wait(ready.index(stage), (i // STAGES) & 1)
         a = _unpack_tile(w_smem.index(stage).load(w_layout), sb, a_layout, BLOCK_N, BITS)
         acc = warpgroup_mma(a, x_smem.index(stage).permute((1, 0)), acc, is_async=True)
-        acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))
-        mbarrier.arrive(empty.index((i + STAGES - 1) % STAGES), pred=i > 0)
+        if NC == 1:
+            acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))
+            mbarrier.arrive(empty.index((i + STAGES - 1) % STAGES), pred=i > 0)
+        else:
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+            mbarrier.arrive(empty.index(stage))
         return acc, sb_next
 
     @gluon.jit
     def _consumer(x_smem, w_smem, ready, empty, sb_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, stride_sb,
                   stride_om, off_m, off_n, pid_n, pid_m, t0, tiles, GROUP: gl.constexpr, HAS_BIAS: gl.constexpr,
                   BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr, SPLIT_K: gl.constexpr,
-                  USE_PDL: gl.constexpr, num_warps: gl.constexpr, BITS: gl.constexpr):
+                  USE_PDL: gl.constexpr, num_warps: gl.constexpr, BITS: gl.constexpr, C: gl.constexpr = 0,
+                  NC: gl.constexpr = 1):
         mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                                       instr_shape=[16, BLOCK_M, 16])
         a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
@@ -70,25 +79,28 @@ if HAS_GLUON:
         rows = gl.minimum(off_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, w_layout)), N - 1)
         sb_ptrs = sb_ptr + rows.to(gl.int64) * stride_sb
         TPG: gl.constexpr = GROUP // _BK
-        sb = gl.load(sb_ptrs + t0 // TPG)
+        sb = gl.load(sb_ptrs + (t0 + C) // TPG)
         acc = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, mma)
-        for j in range(tiles // 2):  # two tiles an iteration: wq_gluon.py's _wq_gluon_kernel says why
-            acc, sb = _consumer_tile(2 * j, t0, tiles, acc, sb, sb_ptrs, x_smem, w_smem, ready, empty, a_layout,
-                                     w_layout, BLOCK_N, STAGES, TPG, BITS)
-            acc, sb = _consumer_tile(2 * j + 1, t0, tiles, acc, sb, sb_ptrs, x_smem, w_smem, ready, empty, a_layout,
-                                     w_layout, BLOCK_N, STAGES, TPG, BITS)
+        # two tiles an iteration: wq_gluon.py's _wq_gluon_kernel says why; consumer C of NC takes
+        # tiles C, C + NC, ...
+        for j in range(tiles // (2 * NC)):
+            acc, sb = _consumer_tile(2 * NC * j + C, t0, tiles, acc, sb, sb_ptrs, x_smem, w_smem, ready, empty,
+                                     a_layout, w_layout, BLOCK_N, STAGES, TPG, BITS, NC)
+            acc, sb = _consumer_tile(2 * NC * j + NC + C, t0, tiles, acc, sb, sb_ptrs, x_smem, w_smem, ready, empty,
+                                     a_layout, w_layout, BLOCK_N, STAGES, TPG, BITS, NC)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
         if USE_PDL:  # out and ws only after the kernel before
             _pdl_wait()
+        # NC consumers: each adds its part as a K split of its own
         _store(acc, off_n, off_m, pid_n, pid_m, bias_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, stride_om, mma, HAS_BIAS,
-               BLOCK_N, BLOCK_M, SPLIT_K)
+               BLOCK_N, BLOCK_M, SPLIT_K * NC)
 
     @gluon.jit
     def _wq_gluon_ws_kernel(x_desc, w_desc, sb_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K, stride_sb, stride_om,
                             GROUP: gl.constexpr, HAS_BIAS: gl.constexpr, BLOCK_N: gl.constexpr,
                             BLOCK_M: gl.constexpr, STAGES: gl.constexpr, SPLIT_K: gl.constexpr,
                             num_warps: gl.constexpr, INFLIGHT: gl.constexpr = 1, USE_PDL: gl.constexpr = False,
-                            BITS: gl.constexpr = 4, LATE_LAUNCH: gl.constexpr = False):
+                            BITS: gl.constexpr = 4, LATE_LAUNCH: gl.constexpr = False, NC: gl.constexpr = 1):
         """_wq_gluon_kernel's arguments and grid (INFLIGHT is always 1 here); num_warps 4: the
         consumer warpgroup (BLOCK_N 64 or 128), plus one producer warp."""
         tiles = K // _BK // SPLIT_K
@@ -105,10 +117,22 @@ if HAS_GLUON:
             mbarrier.init(ready.index(i), count=1)
             mbarrier.init(empty.index(i), count=1)
         fence_async_shared()
-        gl.warp_specialize([
-            (_consumer, (x_smem, w_smem, ready, empty, sb_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, stride_sb,
-                         stride_om, off_m, off_n, gl.program_id(0), gl.program_id(1), t0, tiles, GROUP, HAS_BIAS,
-                         BLOCK_N, BLOCK_M, STAGES, SPLIT_K, USE_PDL, num_warps, BITS)),
-            (_producer, (x_desc, w_desc, x_smem, w_smem, ready, empty, off_m, off_n, t0, tiles, STAGES, USE_PDL,
-                         WPT, LATE_LAUNCH)),
-        ], [1], [24])
+        if NC == 2:  # a second consumer warpgroup: twice the warps unpacking on an SM (1-8 rows: a few CTAs an SM)
+            gl.warp_specialize([
+                (_consumer, (x_smem, w_smem, ready, empty, sb_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, stride_sb,
+                             stride_om, off_m, off_n, gl.program_id(0), gl.program_id(1), t0, tiles, GROUP, HAS_BIAS,
+                             BLOCK_N, BLOCK_M, STAGES, SPLIT_K, USE_PDL, num_warps, BITS, 0, 2)),
+                (_producer, (x_desc, w_desc, x_smem, w_smem, ready, empty, off_m, off_n, t0, tiles, STAGES, USE_PDL,
+                             WPT, LATE_LAUNCH)),
+                (_consumer, (x_smem, w_smem, ready, empty, sb_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, stride_sb,
+                             stride_om, off_m, off_n, gl.program_id(0), gl.program_id(1), t0, tiles, GROUP, HAS_BIAS,
+                             BLOCK_N, BLOCK_M, STAGES, SPLIT_K, USE_PDL, num_warps, BITS, 1, 2)),
+            ], [1, 4], [24, WS_NC2_REGS])
+        else:
+            gl.warp_specialize([
+                (_consumer, (x_smem, w_smem, ready, empty, sb_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, stride_sb,
+                             stride_om, off_m, off_n, gl.program_id(0), gl.program_id(1), t0, tiles, GROUP, HAS_BIAS,
+                             BLOCK_N, BLOCK_M, STAGES, SPLIT_K, USE_PDL, num_warps, BITS)),
+                (_producer, (x_desc, w_desc, x_smem, w_smem, ready, empty, off_m, off_n, t0, tiles, STAGES, USE_PDL,
+                             WPT, LATE_LAUNCH)),
+            ], [1], [24])

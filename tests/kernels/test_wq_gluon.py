@@ -111,6 +111,9 @@ def test_routing_takes_the_kernel_only_where_it_can_run(monkeypatch):
     w8 = _weight(k=256, bits=8)  # int8: the same kernel (BITS 8) from 2 rows; 1 row stays the GEMV's
     assert wq_matmul.decode_path(w8, 16, torch.bfloat16) == "gluon"
     assert wq_matmul.decode_path(w8, 1, torch.bfloat16) == "gemv"
+    hi8 = wq_matmul.GLUON_ROWS[8][1]  # int8 hands over to dequantize + cuBLAS earlier than int4 (384 rows)
+    assert hi8 < hi and wq_matmul.decode_path(w8, hi8, torch.bfloat16) == "gluon"
+    assert wq_matmul.decode_path(w8, hi8 + 1, torch.bfloat16) != "gluon"
     monkeypatch.setattr(wq_matmul, "_capability", lambda device: (10, 0))
     assert wq_matmul.decode_path(w, 16, torch.bfloat16) != "gluon"
     monkeypatch.setattr(wq_matmul, "_capability", lambda device: (9, 0))
@@ -280,24 +283,27 @@ for bits, bn, warps, bm, stages, split, ws in (
         (4, 64, 4, 16, 4, 2, False), (4, 64, 4, 128, 3, 1, False), (4, 128, 8, 64, 4, 1, False),
         (4, 128, 4, 16, 4, 2, False), (4, 64, 4, 16, 4, 2, True), (4, 64, 4, 64, 4, 1, True),
         (8, 64, 4, 16, 4, 2, False), (8, 128, 4, 16, 4, 1, False), (8, 64, 4, 16, 4, 2, True),
-        (4, 64, 4, 8, 4, 2, True), (4, 128, 8, 8, 4, 2, False), (8, 64, 4, 8, 6, 2, True)):
+        (4, 64, 4, 8, 4, 2, True), (4, 128, 8, 8, 4, 2, False), (8, 64, 4, 8, 6, 2, True),
+        (4, 128, 4, 8, 4, 2, True), (4, 64, 4, 8, 4, 1, 2), (8, 64, 4, 8, 4, 2, 2)):
     wpt = 128 * bits // 32
     xl = gl.NVMMASharedLayout.get_default_for([bm, 128], gl.bfloat16)
     wl = gl.NVMMASharedLayout.get_default_for([bn, wpt], gl.int32)
     sig = {"x_desc": f"tensordesc<bf16[{bm}, 128],{xl!r}>", "w_desc": f"tensordesc<i32[{bn}, {wpt}],{wl!r}>",
            "sb_ptr": "*i32", "bias_ptr": "*bf16", "out_ptr": "*bf16", "ws_ptr": "*fp32", "cnt_ptr": "*i32",
            "M": "i32", "N": "i32", "K": "i32", "stride_sb": "i32", "stride_om": "i32"}
+    nc, ws = (ws, True) if ws == 2 else (1, ws)  # ws 2: the warp-specialized kernel with two consumers
     cst = dict(GROUP=128, HAS_BIAS=False, BLOCK_N=bn, BLOCK_M=bm, STAGES=stages, SPLIT_K=split, num_warps=warps,
-               INFLIGHT=1, USE_PDL=True, BITS=bits, LATE_LAUNCH=bits == 8)  # both PDL schedules
+               INFLIGHT=1, USE_PDL=True, BITS=bits, LATE_LAUNCH=bits == 8, **({"NC": nc} if nc > 1 else {}))
     sig.update({k: "constexpr" for k in cst})
     fn = wq_gluon_ws._wq_gluon_ws_kernel if ws else wq_gluon._wq_gluon_kernel
-    options = {"num_warps": warps, **({"maxnreg": wq_gluon.WS_MAXNREG[bm]} if ws else {})}
+    options = {"num_warps": warps, **({"maxnreg": wq_gluon.ws_maxnreg(bm, bn)} if ws else {})}
     kernel = triton.compile(GluonASTSource(fn, sig, cst), target=GPUTarget("cuda", 90, 32), options=options)
-    label = f"int{bits}, {warps} warps, {bm} rows, {stages} stages, split {split}, warp-specialized {ws}"
+    label = f"int{bits}, {warps} warps, {bm} rows, {stages} stages, split {split}, warp-specialized {ws}, consumers {nc}"
     ttgir, ptx = kernel.asm["ttgir"], kernel.asm["ptx"]
-    assert "isAsync = true" in ttgir and "pendings = 1" in ttgir, label + ": no asynchronous wgmma"
+    # two consumers retire each tile in its own step (the other's overlaps it)
+    assert "isAsync = true" in ttgir and f"pendings = {2 - nc}" in ttgir, label + ": no asynchronous wgmma"
     assert ws == ("setmaxnreg" in kernel.asm["ptx"]), label
-    assert "wgmma.wait_group.sync.aligned 1;" in ptx, label
+    assert f"wgmma.wait_group.sync.aligned {2 - nc};" in ptx, label
     # the weights' first stages are asked for before the wait for the kernel before (PDL); the
     # warp-specialized kernel's consumer (its wait before the stores) comes first in the PTX
     assert ws or ptx.index("cp.async.bulk.tensor") < ptx.index("griddepcontrol.wait"), label
@@ -305,7 +311,7 @@ for bits, bn, warps, bm, stages, split, ws in (
     # warp-specialized kernel: by its consumer's wait at the end only, not also its producer's)
     launch, drained = ptx.index("griddepcontrol.launch_dependents"), ptx.index("wgmma.wait_group.sync.aligned 0")
     if ws:
-        assert ptx.count("griddepcontrol.launch_dependents") == (1 if bits == 8 else 2), label
+        assert ptx.count("griddepcontrol.launch_dependents") == (1 if bits == 8 else 2) + nc - 1, label
     else:
         assert (launch > drained) == (bits == 8), label
     assert not inflight_writes(ptx), label + ": " + str(inflight_writes(ptx)[:3])
