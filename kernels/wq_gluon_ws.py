@@ -7,7 +7,8 @@ the scheduler cycles with no eligible warp, docs/BENCHMARKS.md).
 Stage s's "ready" barrier completes when tile i's bytes land (the producer's expect and TMAs);
 its "empty" barrier when the consumer releases tile i, which lets the producer load tile
 i + STAGES there. Same tiles, unpacking, layout and epilogue as the plain kernel; one consumer
-warpgroup (4 warps), so one arrive a release.
+warpgroup (4 warps), so one arrive a release. With NC 2 a second consumer warpgroup takes every
+other tile (each tile still released by one arrive) and the two add their sums as K splits.
 """
 
 from __future__ import annotations
@@ -102,7 +103,9 @@ if HAS_GLUON:
                             num_warps: gl.constexpr, INFLIGHT: gl.constexpr = 1, USE_PDL: gl.constexpr = False,
                             BITS: gl.constexpr = 4, LATE_LAUNCH: gl.constexpr = False, NC: gl.constexpr = 1):
         """_wq_gluon_kernel's arguments and grid (INFLIGHT is always 1 here); num_warps 4: the
-        consumer warpgroup (BLOCK_N 64 or 128), plus one producer warp."""
+        consumer warpgroup (BLOCK_N 64 or 128), plus one producer warp; NC 2: and a second consumer
+        warpgroup (_consumer_tile). The partitions' arguments are spelled out in each branch (a
+        tuple of them loses the constexprs)."""
         tiles = K // _BK // SPLIT_K
         gl.assume(tiles >= 2)
         WPT: gl.constexpr = _BK * BITS // 32  # words a row's tile
