@@ -193,6 +193,11 @@ def test_a_finalized_projection_keeps_only_the_tiles(monkeypatch):
 
 def test_configs_split_only_evenly_and_within_the_workspace():
     assert [wq_gluon_tune.rows_block(m) for m in (1, 8, 9, 16, 17, 300)] == [8, 8, 16, 16, 32, 256]
+    # two consumers: each takes every other tile, two an iteration, so a split's tiles are a multiple
+    # of 4 (down's 112 tiles: splits 1, 2 and 4, not 8), and their sums go through the split workspace
+    two = wq_gluon_tune.gluon_configs(1, 4096, 14336, 64, [(64, 4, 8, 4, True, 2)])
+    assert sorted(c["SPLIT_K"] for c in two) == [1, 2, 4] and all(c["NC"] == 2 and c["WS"] for c in two)
+    assert not wq_gluon_tune.gluon_configs(128, 4096, 14336, 64, [(64, 4, 128, 4, True, 2)])  # past the workspace
     for m in (1, 3, 16, 64, 128, 256):
         for cfg in wq_gluon_tune.gluon_configs(m, 4096, 14336, 64):
             assert cfg["BLOCK_M"] in (wq_gluon_tune.rows_block(m), max(16, wq_gluon_tune.rows_block(m) // 2))
