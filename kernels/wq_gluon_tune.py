@@ -16,7 +16,7 @@ from kernels.wq_gluon import BLOCK_K, TiledWeight
 # wgmma M) or 128 (two, which halves the loop's per-tile instructions a weight: 2.8 against 3.3 in
 # the sm_90 SASS at 16 rows), each with the K splits below where the rows fit the split workspace
 # (the engine's rows up to 64); 128 rows a warpgroup at 128 rows of x would spill
-GLUON_TILES = [(64, 4, 8, 4), (128, 4, 8, 4), (128, 8, 8, 4), (64, 4, 16, 4), (64, 4, 16, 6), (128, 8, 16, 4),
+GLUON_TILES = [(64, 4, 8, 4), (64, 4, 16, 4), (64, 4, 16, 6), (128, 8, 16, 4),
                (128, 4, 16, 4), (128, 4, 16, 6), (256, 8, 16, 4), (64, 4, 32, 4), (128, 8, 32, 4), (128, 4, 32, 4),
                (64, 4, 64, 4), (128, 8, 64, 3), (128, 8, 64, 4), (128, 4, 64, 3), (64, 4, 128, 2), (64, 4, 128, 3),
                (64, 4, 128, 4), (128, 8, 128, 3), (64, 4, 256, 2), (128, 8, 256, 2)]
@@ -25,8 +25,10 @@ GLUON_TILES = [(64, 4, 8, 4), (128, 4, 8, 4), (128, 8, 8, 4), (64, 4, 16, 4), (6
 # up to 8 rows of x) took every Llama-3.1-8B projection and the int8 LM head at 1 and 8 rows on an H200
 # (docs/BENCHMARKS.md): gate_up at 1 row 24.6 µs against 30.7 with BLOCK_M 16 (int4), 35.9 against 41.2 (int8)
 # A sixth field, NC 2: two consumer warpgroups taking alternate tiles (o_proj at 1 row 5.6 µs against 6.2,
-# int8 7.5 against 8.3; gate_up and the LM head slower with it)
-GLUON_WS_TILES = [(64, 4, 8, 3, True), (64, 4, 8, 4, True), (128, 4, 8, 4, True), (64, 4, 8, 4, True, 2),
+# int8 7.5 against 8.3; gate_up and the LM head slower with it). 1-8 rows time BLOCK_M 8 tiles only:
+# BLOCK_M 16 and 128-row BLOCK_M 8 tiles never won there in those sweeps, and every tile timed adds to
+# the warm-up (82-88 s for the 8B in int4 or int8 with them, 58-65 s before this session's tiles)
+GLUON_WS_TILES = [(64, 4, 8, 3, True), (64, 4, 8, 4, True), (64, 4, 8, 4, True, 2),
                   (64, 4, 16, 4, True), (64, 4, 16, 6, True), (64, 4, 32, 4, True), (64, 4, 64, 4, True)]
 GLUON_SPLITS = (1, 2, 4, 8)
 
@@ -38,12 +40,12 @@ def rows_block(m: int) -> int:
 
 def gluon_configs(m: int, n: int, k: int, split_rows: int, tiles: list[tuple] | None = None) -> list[dict]:
     """The tiles (GLUON_TILES, or ``tiles``) worth timing for ``m`` rows: BLOCK_M at the rows'
-    bucket or half of it (from 16; 8 rows or fewer: 8 or 16), K splits into equal, even numbers of tiles while the blocks are
+    bucket or half of it (from 16; 8 rows or fewer: 8 only), K splits into equal, even numbers of tiles while the blocks are
     few (~4 waves of 132 SMs). K must be an even number of tiles (gluon_fits)."""
     bucket = rows_block(m)
     out = []
     for bn, warps, bm, stages, *flags in tiles or GLUON_TILES:
-        if bm not in (bucket, max(16, bucket // 2)):
+        if bm not in ((8, ) if bucket == 8 else (bucket, max(16, bucket // 2))):
             continue
         ws, nc = bool(flags and flags[0]), (flags[1] if len(flags) > 1 and flags[0] else 1)
         blocks = -(-n // bn) * -(-m // bm)
