@@ -26,7 +26,7 @@ GLUON_TILES = [(64, 4, 8, 4), (64, 4, 16, 4), (64, 4, 16, 6), (128, 8, 16, 4),
 # (docs/BENCHMARKS.md): gate_up at 1 row 24.6 µs against 30.7 with BLOCK_M 16 (int4), 35.9 against 41.2 (int8)
 # A sixth field, NC 2: two consumer warpgroups taking alternate tiles (o_proj at 1 row 5.6 µs against 6.2,
 # int8 7.5 against 8.3; gate_up and the LM head slower with it). 1-8 rows time BLOCK_M 8 tiles only:
-# BLOCK_M 16 and 128-row BLOCK_M 8 tiles never won there in those sweeps, and every tile timed adds to
+# BLOCK_M 16 and 128-row BLOCK_M 8 tiles did not win there once these were listed, and every tile timed adds to
 # the warm-up (82-88 s for the 8B in int4 or int8 with them, 58-65 s before this session's tiles)
 GLUON_WS_TILES = [(64, 4, 8, 3, True), (64, 4, 8, 4, True), (64, 4, 8, 4, True, 2),
                   (64, 4, 16, 4, True), (64, 4, 16, 6, True), (64, 4, 32, 4, True), (64, 4, 64, 4, True)]
