@@ -26,8 +26,8 @@ GLUON_TILES = [(64, 4, 8, 4), (64, 4, 16, 4), (64, 4, 16, 6), (128, 8, 16, 4),
 # (docs/BENCHMARKS.md): gate_up at 1 row 24.6 µs against 30.7 with BLOCK_M 16 (int4), 35.9 against 41.2 (int8)
 # A sixth field, NC 2: two consumer warpgroups taking alternate tiles (o_proj at 1 row 5.6 µs against 6.2,
 # int8 7.5 against 8.3; gate_up and the LM head slower with it). 1-8 rows time BLOCK_M 8 tiles only:
-# BLOCK_M 16 and 128-row BLOCK_M 8 tiles did not win there once these were listed, and every tile timed adds to
-# the warm-up (82-88 s for the 8B in int4 or int8 with them, 58-65 s before this session's tiles)
+# BLOCK_M 16 and 128-row BLOCK_M 8 tiles did not win there once these were listed, and every tile
+# timed adds to the warm-up (82-88 s for the 8B in int4 or int8 with them, 58-65 s before)
 GLUON_WS_TILES = [(64, 4, 8, 3, True), (64, 4, 8, 4, True), (64, 4, 8, 4, True, 2),
                   (64, 4, 16, 4, True), (64, 4, 16, 6, True), (64, 4, 32, 4, True), (64, 4, 64, 4, True)]
 GLUON_SPLITS = (1, 2, 4, 8)
@@ -40,8 +40,8 @@ def rows_block(m: int) -> int:
 
 def gluon_configs(m: int, n: int, k: int, split_rows: int, tiles: list[tuple] | None = None) -> list[dict]:
     """The tiles (GLUON_TILES, or ``tiles``) worth timing for ``m`` rows: BLOCK_M at the rows'
-    bucket or half of it (from 16; 8 rows or fewer: 8 only), K splits into equal, even numbers of tiles while the blocks are
-    few (~4 waves of 132 SMs). K must be an even number of tiles (gluon_fits)."""
+    bucket or half of it (from 16; 8 rows or fewer: 8 only), K splits into equal, even numbers of
+    tiles while the blocks are few (~4 waves of 132 SMs). K must be an even number of tiles (gluon_fits)."""
     bucket = rows_block(m)
     out = []
     for bn, warps, bm, stages, *flags in tiles or GLUON_TILES:
@@ -145,7 +145,9 @@ def _launch(x: torch.Tensor, words: torch.Tensor, sb: torch.Tensor, group: int, 
     if config.get("WS"):
         from kernels.wq_gluon_ws import _wq_gluon_ws_kernel as kernel
 
-        extra = dict(maxnreg=wq_gluon_mod.ws_maxnreg(bm, bn), **({"NC": config["NC"]} if config.get("NC", 1) > 1 else {}))
+        extra = dict(maxnreg=wq_gluon_mod.ws_maxnreg(bm, bn))
+        if config.get("NC", 1) > 1:
+            extra["NC"] = config["NC"]
     kernel[grid](x_desc, w_desc, sb, out if bias is None else bias, out, ws, cnt, m, n, k, sb.stride(0),
                  out.stride(0), GROUP=group, HAS_BIAS=bias is not None, BLOCK_N=bn, BLOCK_M=bm,
                  STAGES=config["STAGES"], SPLIT_K=split, num_warps=warps, INFLIGHT=config.get("INFLIGHT", 1), BITS=bits,

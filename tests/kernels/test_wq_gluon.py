@@ -304,7 +304,8 @@ for bits, bn, warps, bm, stages, split, ws in (
     fn = wq_gluon_ws._wq_gluon_ws_kernel if ws else wq_gluon._wq_gluon_kernel
     options = {"num_warps": warps, **({"maxnreg": wq_gluon.ws_maxnreg(bm, bn)} if ws else {})}
     kernel = triton.compile(GluonASTSource(fn, sig, cst), target=GPUTarget("cuda", 90, 32), options=options)
-    label = f"int{bits}, {warps} warps, {bm} rows, {stages} stages, split {split}, warp-specialized {ws}, consumers {nc}"
+    label = (f"int{bits}, {warps} warps, {bm} rows, {stages} stages, split {split}, warp-specialized {ws}, "
+             f"consumers {nc}")
     ttgir, ptx = kernel.asm["ttgir"], kernel.asm["ptx"]
     # two consumers retire each tile in its own step (the other's overlaps it)
     assert "isAsync = true" in ttgir and f"pendings = {2 - nc}" in ttgir, label + ": no asynchronous wgmma"
