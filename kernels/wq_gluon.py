@@ -375,12 +375,6 @@ if HAS_GLUON:
 WS_MAXNREG = {8: 64, 16: 64, 32: 80, 64: 80}  # the warp-specialized kernel's register cap, by BLOCK_M
 
 
-def ws_maxnreg(block_m: int, block_n: int) -> int:
-    """The warp-specialized kernel's register cap: WS_MAXNREG by BLOCK_M, 32 more for 128 rows a
-    warpgroup (two wgmmas along M: the sm_90 compile spills nothing at these caps)."""
-    return WS_MAXNREG[block_m] + (32 if block_n == 128 else 0)
-
-
 _repacked: dict[tuple, tuple] = {}
 
 

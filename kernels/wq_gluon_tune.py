@@ -145,7 +145,7 @@ def _launch(x: torch.Tensor, words: torch.Tensor, sb: torch.Tensor, group: int, 
     if config.get("WS"):
         from kernels.wq_gluon_ws import _wq_gluon_ws_kernel as kernel
 
-        extra = dict(maxnreg=wq_gluon_mod.ws_maxnreg(bm, bn))
+        extra = dict(maxnreg=wq_gluon_mod.WS_MAXNREG[bm])
         if config.get("NC", 1) > 1:
             extra["NC"] = config["NC"]
     kernel[grid](x_desc, w_desc, sb, out if bias is None else bias, out, ws, cnt, m, n, k, sb.stride(0),

@@ -302,7 +302,7 @@ for bits, bn, warps, bm, stages, split, ws in (
                INFLIGHT=1, USE_PDL=True, BITS=bits, LATE_LAUNCH=bits == 8, **({"NC": nc} if nc > 1 else {}))
     sig.update({k: "constexpr" for k in cst})
     fn = wq_gluon_ws._wq_gluon_ws_kernel if ws else wq_gluon._wq_gluon_kernel
-    options = {"num_warps": warps, **({"maxnreg": wq_gluon.ws_maxnreg(bm, bn)} if ws else {})}
+    options = {"num_warps": warps, **({"maxnreg": wq_gluon.WS_MAXNREG[bm]} if ws else {})}
     kernel = triton.compile(GluonASTSource(fn, sig, cst), target=GPUTarget("cuda", 90, 32), options=options)
     label = (f"int{bits}, {warps} warps, {bm} rows, {stages} stages, split {split}, warp-specialized {ws}, "
              f"consumers {nc}")
