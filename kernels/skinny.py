@@ -52,8 +52,10 @@ def _configs() -> list:
     return [triton.Config({"BLOCK_N": n, "BLOCK_K": k}, num_warps=4, num_stages=s) for n, k, s in shapes]
 
 
-# Tuned per (N, K) at its first call for that shape; None without Triton.
-_tuned = triton.autotune(configs=_configs(), key=["N", "K", "HAS_BIAS"])(_skinny_matmul_kernel) if triton else None
+# Tuned per (N, K) at its first call for that shape (the choice kept in Triton's cache folder for
+# the next start); None without Triton.
+_tuned = (triton.autotune(configs=_configs(), key=["N", "K", "HAS_BIAS"], cache_results=True)(_skinny_matmul_kernel)
+          if triton else None)
 
 
 def skinny_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

@@ -6,11 +6,19 @@ which kernels/wq_gluon_ws.py imports its shared parts from)."""
 
 from __future__ import annotations
 
+import logging
+import time
+from pathlib import Path
+
 import torch
 
 from kernels import wq_gluon as wq_gluon_mod
+from kernels._triton import PDL as ANY_PDL
 from kernels._triton import pdl_launch, triton
+from kernels.tune_cache import TuneCache, source_hash
 from kernels.wq_gluon import BLOCK_K, TiledWeight
+
+log = logging.getLogger(__name__)
 
 # (BLOCK_N, num_warps, BLOCK_M, STAGES): a warpgroup owns BLOCK_N / (num_warps / 4) rows, 64 (one
 # wgmma M) or 128 (two, which halves the loop's per-tile instructions a weight: 2.8 against 3.3 in
@@ -91,26 +99,59 @@ def graph_us(calls: list, samples: int = 5, replays: int = 3) -> float:
     return sorted(times)[len(times) // 2]
 
 
+_disk: dict[int, TuneCache] = {}
+
+
+def disk_cache(device: torch.device) -> TuneCache:
+    """The on-disk choices for ``device`` (kernels/tune_cache.py): fingerprinted by the GPU, torch,
+    Triton, these kernels' sources (tile lists included) and the launch flags that move timings."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    cache = _disk.get(index)
+    if cache is None:
+        props = torch.cuda.get_device_properties(index)
+        here = Path(__file__).resolve().parent
+        sources = [here / f for f in ("wq_gluon.py", "wq_gluon_ws.py", "wq_gluon_tune.py")]
+        fingerprint = dict(gpu=props.name, capability=f"{props.major}.{props.minor}", sms=props.multi_processor_count,
+                           torch=torch.__version__, triton=triton.__version__, source=source_hash(*sources),
+                           pdl=bool(ANY_PDL and wq_gluon_mod.PDL), pdl_late=str(wq_gluon_mod.PDL_LATE),
+                           pdl_late_rows=wq_gluon_mod.PDL_LATE_ROWS)
+        cache = _disk[index] = TuneCache("wq_gluon", fingerprint)
+    return cache
+
+
 def tuned_config(x: torch.Tensor, weight: TiledWeight, out: torch.Tensor, bias: torch.Tensor | None,
                  ws: torch.Tensor, cnt: torch.Tensor, split_rows: int) -> dict:
-    """The fastest of gluon_configs for this shape and rows bucket, timed at first use (warm-up,
-    before CUDA-graph capture) on the call's x, over transient copies of the weight (TUNE_BYTES)."""
+    """The fastest of gluon_configs for this shape and rows bucket: read from the disk cache
+    (kernels/tune_cache.py), else timed at first use (warm-up, before CUDA-graph capture) on the
+    call's x, over transient copies of the weight (TUNE_BYTES), and written there."""
     (m, k), n = x.shape, weight.shape[0]
     key = (n, k, weight.group_size, weight.bits, rows_block(m), bias is not None)
     cfg = _tuned.get(key)
-    if cfg is None:
-        assert not torch.cuda.is_current_stream_capturing(), "wq_gluon: a shape first met inside CUDA-graph capture"
+    if cfg is not None:
+        return cfg
+    configs = gluon_configs(m, n, k, split_rows, GLUON_TILES + GLUON_WS_TILES)
+    disk = disk_cache(x.device)
+    disk_key = TuneCache.key(key + (split_rows, ))
+    cfg = disk.get(disk_key)
+    if cfg is None or cfg not in configs:  # not there, or a config these lists no longer make
+        assert not (x.is_cuda and torch.cuda.is_current_stream_capturing()), \
+            "wq_gluon: a shape first met inside CUDA-graph capture"
+        start = time.perf_counter()
         words, sb = weight.words, weight.sb
         copies = [(words, sb)] + [(words.clone(), sb.clone())
                                   for _ in range(max(1, TUNE_BYTES // (words.nbytes + sb.nbytes)) - 1)]
         timed = []
-        for c in gluon_configs(m, n, k, split_rows, GLUON_TILES + GLUON_WS_TILES):
+        for c in configs:
             calls = [lambda w=w, s=s, c=c: _launch(x, w, s, weight.group_size, out, bias, ws, cnt, c, False,
                                                    weight.bits) for w, s in copies]
             timed.append((graph_us(calls), len(timed), c))
-        cfg = _tuned[key] = min(timed)[2]
+        us, _, cfg = min(timed)
         del copies
         torch.cuda.empty_cache()
+        seconds = time.perf_counter() - start
+        log.debug("wq_gluon: %s tuned in %.1f s over %d configs: %s (%.1f µs)", key, seconds, len(configs), cfg, us)
+        disk.put(disk_key, cfg, us=round(us, 2), configs=len(configs), seconds=round(seconds, 1))
+    _tuned[key] = cfg
     return cfg
 
 

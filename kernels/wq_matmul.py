@@ -39,11 +39,13 @@ Paths by rows of x (decode_path; the crossovers were measured on an H200):
   streams (each slab's cuBLAS grid is small and re-reads x; docs/BENCHMARKS.md, seventh run).
 
 Tiles (and the GEMV's split) are tuned per (N, K, format, rows) at first use: the engine's
-warm-up, before CUDA-graph capture. Measured on an H200 (docs/BENCHMARKS.md): the GEMV reads
-int4 at 1.4-2.1 TB/s and int8 at 1.9-3.7 TB/s (int4 about 3.1 SASS instructions a weight, three
-128-thread programs an SM), short of the 4.2 TB/s copy rate; the dequant kernel and a
-tensor-core variant fed by a mantissa trick were slower than the GEMV at 1 row, and an L2
-prefetch of each row's tile 4 ahead (prefetch.global.L2) cost more registers than it saved.
+warm-up, before CUDA-graph capture; the choices are kept on disk for the next start (Triton's
+autotuners in Triton's cache folder, the Gluon tiles by kernels/tune_cache.py). Measured on an
+H200 (docs/BENCHMARKS.md): the GEMV reads int4 at 1.4-2.1 TB/s and int8 at 1.9-3.7 TB/s (int4
+about 3.1 SASS instructions a weight, three 128-thread programs an SM), short of the 4.2 TB/s
+copy rate; the dequant kernel and a tensor-core variant fed by a mantissa trick were slower than
+the GEMV at 1 row, and an L2 prefetch of each row's tile 4 ahead (prefetch.global.L2) cost more
+registers than it saved.
 """
 
 from __future__ import annotations
@@ -620,7 +622,8 @@ def _prune(configs, named_args, **kwargs):
 
 
 _tuned = (triton.autotune(configs=_decode_configs(), key=["N", "K", "BITS", "GROUP", "HAS_BIAS"],
-                          prune_configs_by={"early_config_prune": _prune})(_wq_matmul_kernel) if triton else None)
+                          prune_configs_by={"early_config_prune": _prune}, cache_results=True)(_wq_matmul_kernel)
+          if triton else None)
 
 
 GEMV_MAX_ROWS = 4  # the GEMV kernel's limit
@@ -664,7 +667,8 @@ def _gemv_prune(configs, named_args, **kwargs):
 
 
 _gemv_tuned = (triton.autotune(configs=_gemv_configs(), key=["N", "K", "BITS", "GROUP", "HAS_BIAS", "M", "ASM"],
-                               prune_configs_by={"early_config_prune": _gemv_prune}, warmup=5, rep=25)(
+                               prune_configs_by={"early_config_prune": _gemv_prune}, warmup=5, rep=25,
+                               cache_results=True)(
     triton.heuristics({"SPLIT": lambda args: args["SPLITS"] > 1})(_wq_gemv_kernel)) if triton else None)
 
 # The swapped kernel's tiles: (BLOCK_N, BLOCK_M, warps, stages, PERM, XSUM_DOT) (PERM:
@@ -711,7 +715,8 @@ def _swap_prune(configs, named_args, **kwargs):
 
 
 _swap_tuned = (triton.autotune(configs=_swap_configs(), key=["N", "K", "ROWS_KEY", "BITS", "GROUP", "HAS_BIAS"],
-                               prune_configs_by={"early_config_prune": _swap_prune}, warmup=5, rep=25)(
+                               prune_configs_by={"early_config_prune": _swap_prune}, warmup=5, rep=25,
+                               cache_results=True)(
     _wq_swapped_kernel) if triton else None)
 
 
