@@ -452,16 +452,17 @@ def main() -> None:
                     cmd += ["--swap-max-rows", *args.swap_max_rows]
                 cmd += ["--no-gluon"] if args.no_gluon else []
                 cmd += ["--gluon-rows", args.gluon_rows] if args.gluon_rows else []
-                if subprocess.run(cmd).returncode == 0:
-                    res["engine"][q] = json.loads(Path(f.name).read_text())
+                if subprocess.run(cmd).returncode == 0:  # a config listed again (a restart) as q#2
+                    again = sum(name.split("#")[0] == q for name in res["engine"])
+                    res["engine"][f"{q}#{again + 1}" if again else q] = json.loads(Path(f.name).read_text())
                 if args.out:  # what is done so far, in case a later config fails or times out
                     Path(args.out).write_text(json.dumps(res, indent=1))
         base = res["engine"].get("none")
-        print(f"\n{'config':<7}{'GiB':>7}{'floor ms':>9}" + "".join(f"{'b' + str(b):>9}" for b in args.batches)
-              + f"{'(b) tok/s':>11}")
+        print(f"\n{'config':<7}{'start s':>8}{'GiB':>7}{'floor ms':>9}"
+              + "".join(f"{'b' + str(b):>9}" for b in args.batches) + f"{'(b) tok/s':>11}")
         for q, r in res["engine"].items():
             rel = "" if base is None else f"  ({r['b']['tok_s'] / base['b']['tok_s']:.2f}x)"
-            print(f"{q:<7}{r['weight_bytes'] / 2**30:>7.2f}{r['floor_ms']:>9.3f}"
+            print(f"{q:<7}{r['startup_s']:>8.1f}{r['weight_bytes'] / 2**30:>7.2f}{r['floor_ms']:>9.3f}"
                   + "".join(f"{r['decode_ms'][str(b)] if str(b) in r['decode_ms'] else r['decode_ms'][b]:>9.3f}"
                             for b in args.batches) + f"{r['b']['tok_s']:>11.0f}{rel}")
     if args.out:
