@@ -110,6 +110,7 @@ class TuneCache:
                     with os.fdopen(fd, "w") as out:
                         json.dump({"format": FORMAT, "fingerprint": self.fingerprint, "entries": merged}, out,
                                   indent=1, sort_keys=True)
+                    os.chmod(tmp, 0o644)  # mkstemp's 0600 would keep other users' workers from reading it
                     os.replace(tmp, self.path)
                 except BaseException:
                     os.unlink(tmp)
