@@ -126,21 +126,19 @@ def swap_sweep_configs(rows: int, bits: int) -> list[dict]:
 
 
 def sweep_gluon(x: torch.Tensor, ws: list, ref: torch.Tensor, tag: str, tiles: list[tuple] | None = None,
-                inflight: tuple[int, ...] = (1,), sk: bool = False) -> dict:
+                inflight: tuple[int, ...] = (1,)) -> dict:
     """kernels/wq_gluon.py's tiles (kernels/wq_gluon_tune.py's GLUON_TILES or ``tiles``) and K
     splits for one shape and rows, each with the wgmma groups left in flight in ``inflight``: rel_err (the output poisoned with
-    NaN first: an unwritten element fails; a wrong one is located) and µs, as bench_decode times.
-    ``sk``: and the stream-K tiles (GLUON_SK_TILES) where they apply (1-8 rows)."""
+    NaN first: an unwritten element fails; a wrong one is located) and µs, as bench_decode times."""
     from kernels.wq_gluon import gluon_weight
-    from kernels.wq_gluon_tune import gluon_configs, sk_configs, wq_gluon
+    from kernels.wq_gluon_tune import gluon_configs, wq_gluon
     from kernels.wq_matmul import WORKSPACE_ROWS, _workspace
 
     ws = [gluon_weight(w) for w in ws]  # the tiled form (kept beside each natural weight)
     (m, k), n = x.shape, ws[0].shape[0]
     work, cnt = _workspace(x.device, n, -(-n // 64) * -(-WORKSPACE_ROWS // 16))
     out, best = {}, None
-    configs = [{**c, "INFLIGHT": f} for c in gluon_configs(m, n, k, WORKSPACE_ROWS, tiles) for f in inflight]
-    for cfg in configs + (sk_configs(m, n, k) if sk else []):
+    for cfg in [{**c, "INFLIGHT": f} for c in gluon_configs(m, n, k, WORKSPACE_ROWS, tiles) for f in inflight]:
         dst = torch.full((m, n), float("nan"), dtype=x.dtype, device=x.device)
         try:
             wq_gluon(x, ws[0], dst, None, work, cnt, cfg)
@@ -170,8 +168,7 @@ def sweep_gluon(x: torch.Tensor, ws: list, ref: torch.Tensor, tag: str, tiles: l
 
 def bench_decode(ceilings: dict, rows_list: list[int], sweep: bool, swap_sweep: list[int] = (),
                  shapes: list[str] | None = None, only: list[str] | None = None, gluon_sweep: list[int] = (),
-                 gluon_tiles: list[tuple] | None = None, gluon_inflight: tuple[int, ...] = (1,),
-                 gluon_sk: bool = False) -> dict:
+                 gluon_tiles: list[tuple] | None = None, gluon_inflight: tuple[int, ...] = (1,)) -> dict:
     """Each path (kernels/wq_matmul.py) per projection and row count, timed in CUDA graphs over
     enough weight copies to miss the L2; with ``sweep`` the GEMV's tiles and splits at 1 row, and
     at the rows in ``swap_sweep`` the swapped kernel's (swap_sweep_configs); ``only``: these paths
@@ -250,7 +247,7 @@ def bench_decode(ceilings: dict, rows_list: list[int], sweep: bool, swap_sweep: 
                         out[f"{name}/{rows}/{fmt}/swap-best"] = {"us": best[0], "config": best[1]}
                         print(f"  swap sweep {name} {rows} {fmt}: best {best[0]:.1f} us at {best[1]}", flush=True)
                 if rows in gluon_sweep and fmt in ("int8", "int4") and gluon_fits(x, ws[0]):
-                    out.update(sweep_gluon(x, ws, ref, f"{name}/{rows}/{fmt}", gluon_tiles, gluon_inflight, gluon_sk))
+                    out.update(sweep_gluon(x, ws, ref, f"{name}/{rows}/{fmt}", gluon_tiles, gluon_inflight))
                 if sweep and fmt in ("int8", "int4") and rows == 1:
                     best = None
                     for bn, kw, warps in GEMV_TILES[ws[0].bits]:
@@ -396,7 +393,6 @@ def main() -> None:
     ap.add_argument("--gluon-tiles", nargs="+", metavar="BLOCK_N:WARPS:BLOCK_M:STAGES[:WS]",
                     help="--gluon-sweep: these tiles, not kernels/wq_gluon_tune.py's GLUON_TILES (WS 1: the "
                          "warp-specialized kernel, kernels/wq_gluon_ws.py)")
-    ap.add_argument("--gluon-sk", action="store_true", help="--gluon-sweep: and the stream-K tiles (1-8 rows)")
     ap.add_argument("--gluon-inflight", type=int, nargs="+", default=[1],
                     help="--gluon-sweep: wgmma groups left in flight (0: wait for each tile's, the A/B)")
     ap.add_argument("--no-gluon", action="store_true", help="kernels/wq_matmul.py's GLUON switch off (A/B)")
@@ -441,7 +437,7 @@ def main() -> None:
             res["decode"] = bench_decode(res["ceilings"], args.decode_rows, args.sweep_gemv, args.swap_sweep,
                                          args.shapes, args.paths, args.gluon_sweep,
                                          [tuple(map(int, t.split(":"))) for t in args.gluon_tiles or []] or None,
-                                         tuple(args.gluon_inflight), args.gluon_sk)
+                                         tuple(args.gluon_inflight))
         finally:
             if args.out:
                 Path(args.out).write_text(json.dumps(res, indent=1))

@@ -349,25 +349,18 @@ if HAS_GLUON:
     def _store(acc, off_n, off_m, pid_n, pid_m, bias_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, stride_om,
                mma: gl.constexpr, HAS_BIAS: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr,
                SPLIT_K: gl.constexpr):
-        """acc [BLOCK_N, BLOCK_M] (out^T) into out (+ bias): split pid's part of its tile (_store_parts)."""
-        _store_parts(acc, off_n, off_m, pid_m * gl.num_programs(0) + pid_n, SPLIT_K, bias_ptr, out_ptr, ws_ptr,
-                     cnt_ptr, M, N, stride_om, mma, HAS_BIAS, BLOCK_N, BLOCK_M)
-
-    @gluon.jit
-    def _store_parts(acc, off_n, off_m, tile, parts, bias_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, stride_om,
-                     mma: gl.constexpr, HAS_BIAS: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr):
-        """acc [BLOCK_N, BLOCK_M] (out^T), one of ``parts`` K parts of output tile ``tile``, into out
-        (+ bias); with parts > 1 the parts add into ws (fp32 [M, N], zero) and the last to count in
-        (cnt[tile]) stores and re-zeroes."""
+        """acc [BLOCK_N, BLOCK_M] (out^T) into out (+ bias); with SPLIT_K > 1 the splits add into ws
+        (fp32 [M, N], zero) and the last to count in stores and re-zeroes."""
         offs_n = off_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, mma))
         offs_m = off_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, mma))
         mask = gl.expand_dims(offs_n < N, 1) & gl.expand_dims(offs_m < M, 0)
         out_ptrs = out_ptr + gl.expand_dims(offs_m, 0) * stride_om + gl.expand_dims(offs_n, 1)
-        if parts > 1:
+        if SPLIT_K > 1:
             ws_ptrs = ws_ptr + gl.expand_dims(offs_m, 0) * N + gl.expand_dims(offs_n, 1)
             gl.atomic_add(ws_ptrs, acc, mask=mask, sem="relaxed")
             gl.thread_barrier()  # every thread's adds issued before the count (released by the atomic)
-            if gl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel") == parts - 1:
+            tile = pid_m * gl.num_programs(0) + pid_n
+            if gl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel") == SPLIT_K - 1:
                 acc = gl.atomic_xchg(ws_ptrs, gl.zeros_like(acc), mask=mask, sem="relaxed")
                 if HAS_BIAS:
                     acc += gl.expand_dims(gl.load(bias_ptr + gl.minimum(offs_n, N - 1)).to(gl.float32), 1)

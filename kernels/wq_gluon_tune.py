@@ -39,37 +39,11 @@ GLUON_TILES = [(64, 4, 8, 4), (64, 4, 16, 4), (64, 4, 16, 6), (128, 8, 16, 4),
 GLUON_WS_TILES = [(64, 4, 8, 3, True), (64, 4, 8, 4, True), (64, 4, 8, 4, True, 2),
                   (64, 4, 16, 4, True), (64, 4, 16, 6, True), (64, 4, 32, 4, True), (64, 4, 64, 4, True)]
 GLUON_SPLITS = (1, 2, 4, 8)
-# stream-K (kernels/wq_gluon_ws.py's _wq_gluon_sk_kernel) for 1-8 rows: (BLOCK_N, num_warps, BLOCK_M,
-# STAGES, programs an SM). The tiled grid leaves SMs uneven where the blocks are few (gate_up's 448
-# at 1 row: 52 SMs hold 4, 80 hold 3) and refills its ring per block; a persistent run per program
-# streams the same bytes on every SM. 4 programs an SM: the warp-specialized CTA's 256 threads at 64
-# registers fill an SM's registers
-GLUON_SK_TILES = [(64, 4, 8, 4, 4), (64, 4, 8, 3, 4), (64, 4, 8, 4, 3), (64, 4, 8, 4, 2)]
 
 
 def rows_block(m: int) -> int:
     """The BLOCK_M bucket of ``m`` rows: the power of two from 8 (wgmma's narrowest N) to 256."""
     return min(256, max(8, 1 << (m - 1).bit_length()))
-
-
-def sk_configs(m: int, n: int, k: int, tiles: list[tuple] | None = None) -> list[dict]:
-    """The stream-K tiles (GLUON_SK_TILES, or ``tiles``) worth timing for ``m`` rows: 1-8 rows, a
-    split workspace counter a tile (the tiles along N within kernels/wq_matmul.py's)."""
-    if m > 8 or (k // BLOCK_K) % 2:
-        return []
-    return [dict(BLOCK_N=bn, num_warps=warps, BLOCK_M=bm, STAGES=stages, SPLIT_K=1, WS=True, SK=per_sm)
-            for bn, warps, bm, stages, per_sm in tiles or GLUON_SK_TILES]
-
-
-def sk_programs(m: int, n: int, k: int, config: dict, sms: int) -> int:
-    """The stream-K grid: ``config["SK"]`` programs an SM, at most one a unit (a pair of K tiles)."""
-    units = -(-m // config["BLOCK_M"]) * -(-n // config["BLOCK_N"]) * (k // BLOCK_K // 2)
-    return min(units, sms * config["SK"])
-
-
-def sk_owner(u: int, units: int, programs: int) -> int:
-    """The program whose run holds unit ``u`` (program p: units p U // G .. (p + 1) U // G)."""
-    return ((u + 1) * programs - 1) // units
 
 
 def gluon_configs(m: int, n: int, k: int, split_rows: int, tiles: list[tuple] | None = None) -> list[dict]:
@@ -155,7 +129,7 @@ def tuned_config(x: torch.Tensor, weight: TiledWeight, out: torch.Tensor, bias: 
     cfg = _tuned.get(key)
     if cfg is not None:
         return cfg
-    configs = gluon_configs(m, n, k, split_rows, GLUON_TILES + GLUON_WS_TILES) + sk_configs(m, n, k)
+    configs = gluon_configs(m, n, k, split_rows, GLUON_TILES + GLUON_WS_TILES)
     disk = disk_cache(x.device)
     disk_key = TuneCache.key(key + (split_rows, ))
     cfg = disk.get(disk_key)
@@ -182,15 +156,6 @@ def tuned_config(x: torch.Tensor, weight: TiledWeight, out: torch.Tensor, bias: 
 
 
 _descs: dict[tuple, object] = {}
-_sm_counts: dict[int, int] = {}
-
-
-def _sms(device: torch.device) -> int:
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _sm_counts:
-        _sm_counts[index] = torch.cuda.get_device_properties(index).multi_processor_count
-    return _sm_counts[index]
-
 
 
 def wq_gluon(x: torch.Tensor, weight: TiledWeight, out: torch.Tensor, bias: torch.Tensor | None,
@@ -218,12 +183,7 @@ def _launch(x: torch.Tensor, words: torch.Tensor, sb: torch.Tensor, group: int, 
             _descs[key] = w_desc
     grid = (triton.cdiv(n, bn), triton.cdiv(m, bm), split)
     kernel, extra = wq_gluon_mod._wq_gluon_kernel, {}
-    if config.get("SK"):
-        from kernels.wq_gluon_ws import _wq_gluon_sk_kernel as kernel
-
-        grid = (sk_programs(m, n, k, config, _sms(x.device)), )
-        extra = dict(maxnreg=wq_gluon_mod.WS_MAXNREG[bm])
-    elif config.get("WS"):
+    if config.get("WS"):
         from kernels.wq_gluon_ws import _wq_gluon_ws_kernel as kernel
 
         extra = dict(maxnreg=wq_gluon_mod.WS_MAXNREG[bm])

@@ -21,7 +21,7 @@ if HAS_GLUON:
     from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                                   warpgroup_mma_wait)
 
-    from kernels.wq_gluon import _BK, _pdl_launch, _pdl_wait, _store, _store_parts, _unpack_tile, _words_layout
+    from kernels.wq_gluon import _BK, _pdl_wait, _store, _unpack_tile, _words_layout
 
     WS_NC2_REGS = gl.constexpr(64)  # the second consumer warpgroup's registers (a worker partition's)
 
@@ -48,21 +48,20 @@ if HAS_GLUON:
             tma.async_copy_global_to_shared(x_desc, [off_m, (t0 + i) * _BK], ready.index(s), x_smem.index(s))
 
     @gluon.jit
-    def _consumer_tile(r, i, t0, tiles, acc, sb, sb_ptrs, x_smem, w_smem, ready, empty, a_layout: gl.constexpr,
+    def _consumer_tile(i, t0, tiles, acc, sb, sb_ptrs, x_smem, w_smem, ready, empty, a_layout: gl.constexpr,
                        w_layout: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, TPG: gl.constexpr,
                        BITS: gl.constexpr, NC: gl.constexpr = 1):
-        """Tile i of the tiles t0.. (ring position r: the program's tiles so far): its wgmma issued,
-        the consumer's tile before (i - NC) retired and its stage released (NC 2: two consumer
-        warpgroups take alternate tiles; one retires each tile in its own step and releases it
-        there, so that the two hold 2 stages, not 4)."""
-        stage = r % STAGES
+        """Tile i: its wgmma issued, the consumer's tile before (i - NC) retired and its stage
+        released (NC 2: two consumer warpgroups take alternate tiles; one retires each tile in its
+        own step and releases it there, so that the two hold 2 stages, not 4)."""
+        stage = i % STAGES
         sb_next = gl.load(sb_ptrs + (t0 + gl.minimum(i + NC, tiles - 1)) // TPG)
-        mbarrier.wait(ready.index(stage), (r // STAGES) & 1)
+        mbarrier.wait(ready.index(stage), (i // STAGES) & 1)
         a = _unpack_tile(w_smem.index(stage).load(w_layout), sb, a_layout, BLOCK_N, BITS)
         acc = warpgroup_mma(a, x_smem.index(stage).permute((1, 0)), acc, is_async=True)
         if NC == 1:
             acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))
-            mbarrier.arrive(empty.index((r + STAGES - 1) % STAGES), pred=i > 0)
+            mbarrier.arrive(empty.index((i + STAGES - 1) % STAGES), pred=i > 0)
         else:
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
             mbarrier.arrive(empty.index(stage))
@@ -86,10 +85,9 @@ if HAS_GLUON:
         # two tiles an iteration: wq_gluon.py's _wq_gluon_kernel says why; consumer C of NC takes
         # tiles C, C + NC, ...
         for j in range(tiles // (2 * NC)):
-            i = 2 * NC * j + C
-            acc, sb = _consumer_tile(i, i, t0, tiles, acc, sb, sb_ptrs, x_smem, w_smem, ready, empty, a_layout,
-                                     w_layout, BLOCK_N, STAGES, TPG, BITS, NC)
-            acc, sb = _consumer_tile(i + NC, i + NC, t0, tiles, acc, sb, sb_ptrs, x_smem, w_smem, ready, empty,
+            acc, sb = _consumer_tile(2 * NC * j + C, t0, tiles, acc, sb, sb_ptrs, x_smem, w_smem, ready, empty,
+                                     a_layout, w_layout, BLOCK_N, STAGES, TPG, BITS, NC)
+            acc, sb = _consumer_tile(2 * NC * j + NC + C, t0, tiles, acc, sb, sb_ptrs, x_smem, w_smem, ready, empty,
                                      a_layout, w_layout, BLOCK_N, STAGES, TPG, BITS, NC)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
         if USE_PDL:  # out and ws only after the kernel before
@@ -141,114 +139,3 @@ if HAS_GLUON:
                 (_producer, (x_desc, w_desc, x_smem, w_smem, ready, empty, off_m, off_n, t0, tiles, STAGES, USE_PDL,
                              WPT, LATE_LAUNCH)),
             ], [1], [24])
-
-    # --- stream-K: a persistent grid, each program a contiguous run of the (tile, K-pair) units ---
-
-    @gluon.jit
-    def _sk_coords(g, KT, TN, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr):
-        """The program's g-th K tile of the whole product (output tiles in order, K inside each):
-        its output tile's (off_n, off_m) and its K tile."""
-        o = g // KT
-        return (o % TN) * BLOCK_N, (o // TN) * BLOCK_M, g - o * KT
-
-    @gluon.jit
-    def _sk_producer(x_desc, w_desc, x_smem, w_smem, ready, empty, g0, count, KT, TN, BLOCK_N: gl.constexpr,
-                     BLOCK_M: gl.constexpr, STAGES: gl.constexpr, USE_PDL: gl.constexpr, WPT: gl.constexpr,
-                     LATE_LAUNCH: gl.constexpr):
-        """_producer's ring over the program's run of K tiles g0 .. g0 + count, across output tiles:
-        the ring is filled once a program, not once a tile."""
-        nbytes: gl.constexpr = x_desc.block_type.nbytes + w_desc.block_type.nbytes
-        for i in gl.static_range(STAGES):
-            off_n, off_m, kt = _sk_coords(g0 + i, KT, TN, BLOCK_N, BLOCK_M)
-            mbarrier.expect(ready.index(i), nbytes, pred=i < count)
-            tma.async_copy_global_to_shared(w_desc, [off_n, kt * WPT], ready.index(i), w_smem.index(i), i < count)
-        if USE_PDL:
-            _pdl_wait(not LATE_LAUNCH)
-        for i in gl.static_range(STAGES):
-            off_n, off_m, kt = _sk_coords(g0 + i, KT, TN, BLOCK_N, BLOCK_M)
-            tma.async_copy_global_to_shared(x_desc, [off_m, kt * _BK], ready.index(i), x_smem.index(i), i < count)
-        for i in range(STAGES, count):
-            s = i % STAGES
-            off_n, off_m, kt = _sk_coords(g0 + i, KT, TN, BLOCK_N, BLOCK_M)
-            mbarrier.wait(empty.index(s), (i // STAGES - 1) & 1)
-            mbarrier.expect(ready.index(s), nbytes)
-            tma.async_copy_global_to_shared(w_desc, [off_n, kt * WPT], ready.index(s), w_smem.index(s))
-            tma.async_copy_global_to_shared(x_desc, [off_m, kt * _BK], ready.index(s), x_smem.index(s))
-
-    @gluon.jit
-    def _sk_consumer(x_smem, w_smem, ready, empty, sb_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, stride_sb,
-                     stride_om, g0, count, KT, TN, U, GROUP: gl.constexpr, HAS_BIAS: gl.constexpr,
-                     BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr, USE_PDL: gl.constexpr,
-                     num_warps: gl.constexpr, BITS: gl.constexpr, LATE_LAUNCH: gl.constexpr):
-        """The program's run, one output tile's part at a time: its tiles through the wgmma chain,
-        the chain drained and the last stage released, then the part stored as one of the tile's
-        K splits (the tile's parts: the programs whose runs meet it), or whole."""
-        mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
-                                                      instr_shape=[16, BLOCK_M, 16])
-        a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
-        w_layout: gl.constexpr = _words_layout(BLOCK_N, num_warps, BITS)
-        TPG: gl.constexpr = GROUP // _BK
-        G = gl.num_programs(0)
-        for o in range(g0 // KT, (g0 + count - 1) // KT + 1):
-            t0 = gl.maximum(g0, o * KT) - o * KT  # the part's K tiles t0 .. t0 + tiles of tile o
-            tiles = gl.minimum(g0 + count, (o + 1) * KT) - o * KT - t0
-            gl.assume(tiles >= 2)
-            r0 = o * KT + t0 - g0
-            off_n = (o % TN) * BLOCK_N
-            off_m = (o // TN) * BLOCK_M
-            rows = gl.minimum(off_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, w_layout)), N - 1)
-            sb_ptrs = sb_ptr + rows.to(gl.int64) * stride_sb
-            sb = gl.load(sb_ptrs + t0 // TPG)
-            acc = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, mma)
-            for j in range(tiles // 2):
-                acc, sb = _consumer_tile(r0 + 2 * j, 2 * j, t0, tiles, acc, sb, sb_ptrs, x_smem, w_smem, ready, empty,
-                                         a_layout, w_layout, BLOCK_N, STAGES, TPG, BITS)
-                acc, sb = _consumer_tile(r0 + 2 * j + 1, 2 * j + 1, t0, tiles, acc, sb, sb_ptrs, x_smem, w_smem, ready,
-                                         empty, a_layout, w_layout, BLOCK_N, STAGES, TPG, BITS)
-            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
-            mbarrier.arrive(empty.index((r0 + tiles - 1) % STAGES))
-            if USE_PDL:  # out and ws only after the kernel before
-                _pdl_wait(False)
-            # unit u (a pair of K tiles) is program ((u + 1) G - 1) // U's: tile o's parts
-            u_first = o * KT // 2
-            parts = ((u_first + KT // 2) * G - 1) // U - ((u_first + 1) * G - 1) // U + 1
-            _store_parts(acc, off_n, off_m, o, parts, bias_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, stride_om, mma,
-                         HAS_BIAS, BLOCK_N, BLOCK_M)
-        if USE_PDL and LATE_LAUNCH:
-            _pdl_launch()
-
-    @gluon.jit
-    def _wq_gluon_sk_kernel(x_desc, w_desc, sb_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K, stride_sb,
-                            stride_om, GROUP: gl.constexpr, HAS_BIAS: gl.constexpr, BLOCK_N: gl.constexpr,
-                            BLOCK_M: gl.constexpr, STAGES: gl.constexpr, SPLIT_K: gl.constexpr,
-                            num_warps: gl.constexpr, INFLIGHT: gl.constexpr = 1, USE_PDL: gl.constexpr = False,
-                            BITS: gl.constexpr = 4, LATE_LAUNCH: gl.constexpr = False):
-        """_wq_gluon_ws_kernel's arguments (SPLIT_K 1, INFLIGHT 1) on a persistent grid of G
-        programs (a few an SM, all resident): the product's U units (pairs of K tiles, output
-        tiles in order) are dealt out in G contiguous runs of U / G (program p: units p U // G ..
-        (p + 1) U // G), so every SM streams the same bytes whatever the tile count, and a tile
-        met by several runs sums its parts through the split workspace (kernels/wq_matmul.py's;
-        its counters one a tile). The host keeps G <= U."""
-        KT = K // _BK
-        TN = (N + BLOCK_N - 1) // BLOCK_N
-        U = (M + BLOCK_M - 1) // BLOCK_M * TN * (KT // 2)
-        p = gl.program_id(0)
-        g0 = 2 * (p * U // gl.num_programs(0))
-        count = 2 * ((p + 1) * U // gl.num_programs(0)) - g0
-        gl.assume(count >= 2)
-        WPT: gl.constexpr = _BK * BITS // 32
-        x_smem = gl.allocate_shared_memory(x_desc.dtype, [STAGES, BLOCK_M, _BK], x_desc.layout)
-        w_smem = gl.allocate_shared_memory(w_desc.dtype, [STAGES, BLOCK_N, WPT], w_desc.layout)
-        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        for i in gl.static_range(STAGES):
-            mbarrier.init(ready.index(i), count=1)
-            mbarrier.init(empty.index(i), count=1)
-        fence_async_shared()
-        gl.warp_specialize([
-            (_sk_consumer, (x_smem, w_smem, ready, empty, sb_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, stride_sb,
-                            stride_om, g0, count, KT, TN, U, GROUP, HAS_BIAS, BLOCK_N, BLOCK_M, STAGES, USE_PDL,
-                            num_warps, BITS, LATE_LAUNCH)),
-            (_sk_producer, (x_desc, w_desc, x_smem, w_smem, ready, empty, g0, count, KT, TN, BLOCK_N, BLOCK_M, STAGES,
-                            USE_PDL, WPT, LATE_LAUNCH)),
-        ], [1], [24])
