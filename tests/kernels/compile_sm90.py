@@ -19,7 +19,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from kernels import activation, kv_store, matmul, paged_attention, rmsnorm, rotary, skinny, wq_matmul
+from kernels import _triton, activation, kv_store, matmul, paged_attention, rmsnorm, rotary, skinny, wq_matmul
 from kernels.kv_quant import QMAX
 
 TARGET = GPUTarget("cuda", 90, 32)
@@ -194,11 +194,15 @@ def main() -> int:
     for label, fn, args, num_warps, num_stages, must_pipeline in cases:
         kernel = compile_kernel(fn, args, num_warps, num_stages)
         pipelined = "async_copy_global_to_local" in kernel.asm["ttgir"]
-        waits = "griddepcontrol.wait" in kernel.asm["ptx"]
-        ok = (pipelined or not must_pipeline) and waits
+        ptx = kernel.asm["ptx"]
+        waits = "griddepcontrol.wait" in ptx
+        # the next kernel scheduled before this one's wait (kernels/_triton.py's PDL_EARLY)
+        early = "griddepcontrol.launch_dependents" in ptx and (
+            ptx.index("griddepcontrol.launch_dependents") < ptx.index("griddepcontrol.wait")) == _triton.PDL_EARLY
+        ok = (pipelined or not must_pipeline) and waits and early
         failed += not ok
         print(f"{'ok' if ok else 'FAIL':4} {label:26} shared={kernel.metadata.shared:6d} pipelined={pipelined} "
-              f"waits_for_producer={waits}")
+              f"waits_for_producer={waits} next_scheduled_first={early}")
     return 1 if failed else 0
 
 
