@@ -107,12 +107,14 @@ def sm_count(device: torch.device) -> int:
 # dependent launches, each otherwise paying its launch latency after its producer ends.
 # KVCASCADE_PDL=0 turns it off (the A/B baseline).
 PDL = os.environ.get("KVCASCADE_PDL", "1") != "0"
-# Our small kernels let the next kernel be scheduled before their own wait, not after it: the next
-# one (a projection: its first weight tiles fetched before its wait) then starts while this one
-# still waits for the kernel before it, two kernels ahead. Safe by transitivity: a kernel's wait
+# The kernels that come right before a projection (RMS norm, SiLU, attention and its merge) let
+# the next kernel be scheduled before their own wait, not after it: the projection (its first
+# weight tiles fetched before its wait: kernels/wq_gluon.py) then starts while the small kernel
+# still waits for the one before it, two kernels ahead. Safe by transitivity: a kernel's wait
 # returns once the kernel before it completed, and that one completed only after its own wait.
-# KVCASCADE_PDL_EARLY=0: after the wait (the A/B)
+# KVCASCADE_PDL_EARLY=0: after the wait, as every other kernel does (the A/B)
 PDL_EARLY = os.environ.get("KVCASCADE_PDL_EARLY", "1") != "0"
+EARLY_NEXT = tl.constexpr(PDL_EARLY) if tl is not None else PDL_EARLY  # a kernel's EARLY argument below
 
 
 @functools.cache
@@ -128,20 +130,16 @@ def pdl_launch(device: torch.device) -> dict[str, bool]:
     return {"USE_PDL": on, "launch_pdl": on}
 
 
-if PDL_EARLY:
-    @jit
-    def wait_for_producer(USE_PDL: tl.constexpr):
-        """First thing in every kernel: the next kernel may be scheduled (it waits in turn, so its
-        launch and its own wait overlap this one's), then this one waits: before that, a
-        PDL-launched kernel may not read what the previous kernel writes, nor exit (stream order
-        after it relies on its having waited)."""
-        if USE_PDL:
+@jit
+def wait_for_producer(USE_PDL: tl.constexpr, EARLY: tl.constexpr = False):
+    """First thing in every kernel: before it, a PDL-launched kernel may not read what the
+    previous kernel writes, nor exit (stream order after it relies on its having waited). Then
+    the next kernel may be scheduled (it waits in turn), so its launch overlaps this one's work;
+    EARLY (EARLY_NEXT above): scheduled before this one's wait."""
+    if USE_PDL:
+        if EARLY:
             gdc_launch_dependents()
             gdc_wait()
-else:
-    @jit
-    def wait_for_producer(USE_PDL: tl.constexpr):
-        """First thing in every kernel: the wait for the kernel before, then the next kernel scheduled."""
-        if USE_PDL:
+        else:
             gdc_wait()
             gdc_launch_dependents()

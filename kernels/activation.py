@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import torch
 
-from kernels._triton import cdiv, check_launchable, jit, next_power_of_2, pdl_launch, tl, wait_for_producer
+from kernels._triton import EARLY_NEXT, cdiv, check_launchable, jit, next_power_of_2, pdl_launch, tl, wait_for_producer
 
 _BLOCK = 1024
 
 
 @jit
 def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, n_inter, BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
-    wait_for_producer(USE_PDL)
+    wait_for_producer(USE_PDL, EARLY_NEXT)
     t = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n_inter

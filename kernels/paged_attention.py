@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels._triton import cdiv, check_launchable, interpreting, jit, next_power_of_2, pdl_launch, sm_count, tl, wait_for_producer
+from kernels._triton import EARLY_NEXT, cdiv, check_launchable, interpreting, jit, next_power_of_2, pdl_launch, sm_count, tl, wait_for_producer
 from kernels.kv_store import kv_scale, kv_scale_args, quantize, scale_offsets
 from kernels.rotary import _rotate
 
@@ -248,7 +248,7 @@ def _decode_kernel(
     DOTS: tl.constexpr,  # KV_QMAX > 0: the dots' operands, see DECODE_QUANT_DOTS
     USE_PDL: tl.constexpr,
 ):
-    wait_for_producer(USE_PDL)
+    wait_for_producer(USE_PDL, EARLY_NEXT)
     b = tl.program_id(0)
     if HAS_ORDER:  # programs start in the given order of sequences (the engine's: longest first)
         b = tl.load(order_ptr + b)
@@ -375,7 +375,7 @@ def _decode_merge_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     """Merges one (sequence, head)'s split partials, weighting each by exp2(lse - max lse)."""
-    wait_for_producer(USE_PDL)
+    wait_for_producer(USE_PDL, EARLY_NEXT)
     b = tl.program_id(0)
     h = tl.program_id(1)
     offs_s = tl.arange(0, BLOCK_S)
@@ -423,7 +423,7 @@ def _prefill_kernel(
     KV_QMAX: tl.constexpr,  # 0: a float pool; else an int8/fp8 pool's QMAX
     USE_PDL: tl.constexpr,
 ):
-    wait_for_producer(USE_PDL)
+    wait_for_producer(USE_PDL, EARLY_NEXT)
     tile = tl.program_id(0)
     kvh = tl.program_id(1)
     b = _find_sequence(qsl_ptr, tile, num_seqs, BLOCK_Q)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels._triton import check_launchable, jit, next_power_of_2, pdl_launch, tl, wait_for_producer
+from kernels._triton import EARLY_NEXT, check_launchable, jit, next_power_of_2, pdl_launch, tl, wait_for_producer
 
 
 @jit
@@ -13,7 +13,7 @@ def _rms_norm_kernel(
     stride_x, stride_r, stride_o, stride_ro, n_cols, eps,
     HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr,
 ):
-    wait_for_producer(USE_PDL)
+    wait_for_producer(USE_PDL, EARLY_NEXT)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < n_cols
