@@ -11,9 +11,14 @@ last tier's quality, found on labelled tasks and checked on tasks it did not see
 2. **Replay**: with ``mode: full`` and ``original_prompt_only: true`` a tier's decision depends only
    on its own answer and the judge's score of it, so one pass of each model prices every setting
    exactly. Per tier but the last, the settings swept are: its own measure (``mean_logprob``,
-   ``min_prob``, ``mean_entropy``) at every threshold the tasks produce; the judge alone, each
-   measure at every threshold; and the two together (accept outright above one threshold, escalate
-   unjudged below a floor, judge in between) on a grid of quantiles (``--grid``).
+   ``sum_logprob``, ``min_prob``, ``mean_entropy``) at every threshold the tasks produce; the judge
+   alone, each measure at every threshold; and the two together (accept outright above one
+   threshold, escalate unjudged below a floor, judge in between) on a grid of quantiles
+   (``--grid``). Two more, fit on the calibration split first (``--no-route``, ``--no-stacked``
+   leave them out): a prompt router in front of the tier (router/prompt_router.py), and the
+   stacked confidence (one logistic model over the prompt's words and the draft's own measures,
+   router/stacked_confidence.py), swept as one more own measure; both are cross-fitted, so their
+   thresholds are picked on scores of tasks they did not learn from.
 3. **Pick** on a calibration split (``--split``, seeded): the cheapest setting whose accuracy
    reaches ``--target-quality`` x the last tier's on that split; report it on the held-out rest.
 
@@ -24,9 +29,10 @@ prefix cache is not subtracted (so a system prompt all requests share costs ever
 last tier alone too), except where the cascade itself puts it to use: a tier escalated to after
 its judge rejected the draft finds the prompt's full KV blocks the judge computed (the router
 routes it there by that prefix). Outputs in ``--out``:
-``results.json``, ``calibration.md`` (a table per measure), ``curve.png`` (accuracy against
-compute on the held-out split) and the calibrated cascade file (``--write``, default
-``cascade.calibrated.yaml`` there).
+``results.json``, ``calibration.md`` (a table per measure, each group of families' best held-out
+points, the scores' AUROC), ``curve.png`` (accuracy against compute on the held-out split) and the
+calibrated cascade file (``--write``, default ``cascade.calibrated.yaml`` there, with the prompt
+router or stacked confidence it picked beside it).
 """
 
 from __future__ import annotations
@@ -49,6 +55,8 @@ from protos import kvcascade_pb2 as pb
 from router.cascade_config import CascadeConfig, CascadeConfigError, load_cascade
 from router.confidence import MEASURES, create_measure
 from router.prompt_router import PromptRouter, cross_fit
+from router.stacked_confidence import OWN_MEASURES, StackedModel, features, own_scores, surer
+from router.stacked_confidence import cross_fit as cross_fit_stacked
 
 TOP_LOGPROBS = 20  # asked of every tier and judge, so every measure can be replayed
 
@@ -82,23 +90,19 @@ class Setting:
             and answer["route"] < self.route_threshold
 
 
-def _surer(measure: str, value: float, bar: float) -> bool:
-    return value >= bar if MEASURES[measure].higher_is_surer else value <= bar
-
-
 def decide(setting: Setting, own: dict[str, float | None], judge: dict[str, float | None]) -> tuple[bool, bool]:
     """(accepted, judged) for one answer with these scores (None: no tokens to score)."""
     conf = own[setting.measure]
     if conf is None:
         return False, False
-    if setting.threshold is not None and _surer(setting.measure, conf, setting.threshold):
+    if setting.threshold is not None and surer(setting.measure, conf, setting.threshold):
         return True, False
     if setting.judge_measure is None:
         return False, False
-    if setting.floor is not None and not _surer(setting.measure, conf, setting.floor):
+    if setting.floor is not None and not surer(setting.measure, conf, setting.floor):
         return False, False
     jscore = judge[setting.judge_measure]
-    return jscore is not None and _surer(setting.judge_measure, jscore, setting.judge_threshold), True
+    return jscore is not None and surer(setting.judge_measure, jscore, setting.judge_threshold), True
 
 
 def _cost(tier: dict, k: int) -> float:
@@ -195,8 +199,10 @@ def candidates(runs: dict, tier: int, idx: Sequence[int], grid: int, exact: bool
 
 def _unrouted(answers: list[dict], grid: int, exact: bool) -> list[Setting]:
     out: list[Setting] = []
-    never = {m: (math.inf if MEASURES[m].higher_is_surer else -math.inf) for m in MEASURES}
-    for m in MEASURES:
+    # The stacked confidence where calibration fit one (attach_stacked), as any own measure.
+    owns = [*MEASURES, *(["stacked"] if any(a["own"].get("stacked") is not None for a in answers) else [])]
+    never = {m: (math.inf if OWN_MEASURES[m].higher_is_surer else -math.inf) for m in owns}
+    for m in owns:
         own = [a["own"][m] for a in answers if a["own"][m] is not None]
         for t in [*(sorted(set(own)) if exact else _quantiles(own, grid)), never[m]]:
             out.append(Setting(m, t))
@@ -206,11 +212,11 @@ def _unrouted(answers: list[dict], grid: int, exact: bool) -> list[Setting]:
             out.append(Setting("mean_logprob", None, jm, jt))
     if not exact:
         return out
-    for m, jm in itertools.product(MEASURES, MEASURES):
+    for m, jm in itertools.product(owns, MEASURES):
         own = _quantiles([a["own"][m] for a in answers if a["own"][m] is not None], grid)
         scores = _quantiles([a["judge"][jm] for a in answers if a["judge"][jm] is not None], grid)
         for hi, lo in itertools.combinations_with_replacement(own, 2):
-            if MEASURES[m].higher_is_surer:
+            if OWN_MEASURES[m].higher_is_surer:
                 lo, hi = min(lo, hi), max(lo, hi)
             else:
                 lo, hi = max(lo, hi), min(lo, hi)
@@ -250,16 +256,44 @@ def attach_routes(runs: dict, calib: Sequence[int], held: Sequence[int], seed: i
     return routers
 
 
-def calibrate(runs: dict, target: float, split: float, seed: int, grid: int, route: bool = True) -> dict:
+def attach_stacked(runs: dict, calib: Sequence[int], held: Sequence[int], seed: int) -> list[StackedModel]:
+    """Every tier but the last gets a stacked confidence (router/stacked_confidence.py) over the
+    prompt's words and its draft's own measures, fit on the calibration split; each answer its
+    score as the measure ``own["stacked"]``: cross-fitted on the calibration split, from the fold
+    models' average on the held-out one (what the router computes at serve time)."""
+    prompts = [t["prompt"] for t in runs["tasks"]]
+    models = []
+    for tier in runs["tiers"][:-1]:
+        answers, window = tier["answers"], tier.get("window")
+        rows = [stacked_row(a, window) for a in answers]
+        fit = [k for k in calib if rows[k] is not None]
+        scores, model = cross_fit_stacked([prompts[k] for k in fit], [rows[k] for k in fit],
+                                          [bool(answers[k]["correct"]) for k in fit], seed=seed,
+                                          top_logprobs=tier.get("top_logprobs", TOP_LOGPROBS))
+        for a in answers:
+            a["own"]["stacked"] = None
+        for k, score in zip(fit, scores):
+            answers[k]["own"]["stacked"] = score
+        for k in held:
+            if rows[k] is not None:
+                answers[k]["own"]["stacked"] = model.score(prompts[k], rows[k])
+        models.append(model)
+    return models
+
+
+def calibrate(runs: dict, target: float, split: float, seed: int, grid: int, route: bool = True,
+              stacked: bool = True) -> dict:
     """Pick on the calibration split, report on the held-out one (module docstring, step 3);
     ``route``: with prompt routers in front of the tiers as candidates too (their weights in the
-    result's ``routers``)."""
+    result's ``routers``); ``stacked``: with the stacked confidence as an own measure (its models in
+    ``stacked``)."""
     n = len(runs["tasks"])
     order = list(range(n))
     random.Random(seed).shuffle(order)
     cut = max(1, min(n - 1, round(n * split)))
     calib, held = sorted(order[:cut]), sorted(order[cut:])
     routers = attach_routes(runs, calib, held, seed) if route else []
+    models = attach_stacked(runs, calib, held, seed) if stacked else []
     best, points, goal = search(runs, calib, target, grid)
     # The held-out curve of each family: its settings' cheapest points, cost against accuracy.
     families: dict[str, list[dict]] = {}
@@ -282,7 +316,58 @@ def calibrate(runs: dict, target: float, split: float, seed: int, grid: int, rou
         "picked": {"calibration": _strip(best), "held_out": replay(runs, held, best["combo"])},
         "oracle": oracle(runs, held), "oracle_before": oracle(runs, held, before=True),
         "per_family": per_family, "curves": curves, "routers": [r.to_json() for r in routers],
+        "stacked": [m.to_json() for m in models],
+        "auroc": {"calibration": separation(runs, calib), "held_out": separation(runs, held)},
     }
+
+
+def auroc(scores: Sequence[float], right: Sequence[bool], higher_is_surer: bool = True) -> float | None:
+    """The chance that a right answer scores surer than a wrong one (ties: half); None without both."""
+    pos = [s if higher_is_surer else -s for s, r in zip(scores, right) if r]
+    neg = [s if higher_is_surer else -s for s, r in zip(scores, right) if not r]
+    if not pos or not neg:
+        return None
+    return sum((p > q) + 0.5 * (p == q) for p in pos for q in neg) / (len(pos) * len(neg))
+
+
+def separation(runs: dict, idx: Sequence[int]) -> dict[str, float | None]:
+    """How well each score of the first tier's answers tells right from wrong on ``idx`` (AUROC);
+    an answer without a score counts as the least sure."""
+    answers = [runs["tiers"][0]["answers"][k] for k in idx]
+    right = [bool(a["correct"]) for a in answers]
+    out = {}
+    for m in OWN_MEASURES:
+        if any(a["own"].get(m) is not None for a in answers):
+            worst = -math.inf if OWN_MEASURES[m].higher_is_surer else math.inf
+            out[m] = auroc([worst if a["own"].get(m) is None else a["own"][m] for a in answers], right,
+                           OWN_MEASURES[m].higher_is_surer)
+    if any(a.get("route") is not None for a in answers):
+        out["route"] = auroc([a.get("route") or 0.0 for a in answers], right)
+    return out
+
+
+# Groups of families, each one more than the one before: what the stacked confidence adds.
+GROUPS = {
+    "own measures and judges": lambda family: "route + " not in family and "stacked" not in family,
+    "+ the prompt router in front": lambda family: "stacked" not in family,
+    "stacked confidence (no router in front)": lambda family: "stacked" in family and "route + " not in family,
+    "everything (+ stacked, + router in front of it)": lambda family: True,
+}
+LEVELS = (0.85, 0.90, 0.95, 0.98, 1.00)
+
+
+def frontiers(result: dict) -> dict[str, dict[float, dict | None]]:
+    """Per group of families, the cheapest held-out point reaching each share of the last tier's
+    held-out accuracy (what a perfectly calibrated pick could get; None: none reaches it)."""
+    last = result["tiers"][-1]["accuracy"]["held_out"]
+    out = {}
+    for group, member in GROUPS.items():
+        points = [p for family, curve in result["curves"].items() if member(family) for p in curve]
+        if not points:
+            continue
+        out[group] = {level: min((p for p in points if p["accuracy"] >= level * last - 1e-12),
+                                 key=lambda p: (p["compute"], -p["accuracy"]), default=None) for level in LEVELS}
+    return out
 
 
 def _strip(point: dict) -> dict:
@@ -321,16 +406,13 @@ def collect(config: CascadeConfig, tasks: list[Task], max_tokens: int, device: s
         for task, prompt, out in zip(tasks, prompts, outs):
             lps = [pb.TokenLogprob(logprob=lp.logprob, top=[pb.TopLogprob(logprob=v) for _, v in lp.top])
                    for lp in out["logprobs"]]
-            window = lps[: tier.window] if tier.window else lps
-            answers.append({"text": out["text"], "token_ids": out["token_ids"], "prompt": prompt,
-                            "prompt_tokens": len(prompt), "completion_tokens": len(out["token_ids"]),
-                            "correct": score(task, out["text"]),
-                            "own": {m: (create_measure(m, tier.top_logprobs).score(window) if window else None)
-                                    for m in MEASURES}})
+            answers.append(answer_record(task, prompt, out["text"], out["token_ids"], lps, tier.window,
+                                         tier.top_logprobs))
         params = matmul_params(engine.model)
         print(f"{tier.name} ({tier.model}): {sum(a['correct'] for a in answers)}/{len(tasks)} right in "
               f"{time.monotonic() - started:.0f} s", file=sys.stderr)
-        tiers.append({"name": tier.name, "model": tier.model, "params": params, "answers": answers})
+        tiers.append({"name": tier.name, "model": tier.model, "params": params, "window": tier.window,
+                      "top_logprobs": tier.top_logprobs, "answers": answers})
     for i, tier in enumerate(config.tiers[:-1]):
         judge_engine = engines[config.tiers[i + 1].model]
         started = time.monotonic()
@@ -349,6 +431,21 @@ def collect(config: CascadeConfig, tasks: list[Task], max_tokens: int, device: s
         del a["prompt"]
     block_size = next(iter(engines.values())).config.block_size
     return {"tasks": [asdict(t) for t in tasks], "max_tokens": max_tokens, "block_size": block_size, "tiers": tiers}
+
+
+def answer_record(task: Task, prompt: list[int], text: str, token_ids: list[int], logprobs: list[pb.TokenLogprob],
+                  window: int | None, top_logprobs: int) -> dict:
+    """What calibration keeps of one tier's answer: its tokens, whether it is right, and its own
+    measures over ``window`` (what the router computes from the same logprobs at serve time)."""
+    return {"text": text, "token_ids": token_ids, "prompt": prompt, "prompt_tokens": len(prompt),
+            "completion_tokens": len(token_ids), "correct": score(task, text),
+            "own": own_scores(logprobs[:window] if window else logprobs, top_logprobs)}
+
+
+def stacked_row(answer: dict, window: int | None) -> dict[str, float] | None:
+    """The stacked confidence's features of a recorded answer's draft (router/stacked_confidence.py)."""
+    tokens = answer["completion_tokens"]
+    return features(answer["own"], min(tokens, window) if window else tokens)
 
 
 def matmul_params(model) -> int:
@@ -408,14 +505,21 @@ def router_file(written: Path, tier: str) -> Path:
     return written.with_name(f"{written.stem}.{tier}.router.json")
 
 
+def stacked_file(written: Path, tier: str) -> Path:
+    """Where the calibrated file's stacked confidence for ``tier`` is written: beside it."""
+    return written.with_name(f"{written.stem}.{tier}.stacked.json")
+
+
 def calibrated_yaml(source: Path, result: dict, written: Path | None = None) -> str:
     """The cascade file with each tier's picked setting in place of its decision keys (a picked
-    prompt router named as ``router_file(written, tier)``)."""
+    prompt router named as ``router_file(written, tier)``, a stacked confidence as ``stacked_file``)."""
     data = yaml.safe_load(source.read_text())
     for tier, setting in zip(data["tiers"], result["picked"]["calibration"]["settings"]):
-        for key in ("measure", "threshold", "judge", "route"):
+        for key in ("measure", "threshold", "judge", "route", "stacked"):
             tier.pop(key, None)
         tier["measure"] = setting["measure"]
+        if setting["measure"] == "stacked":
+            tier["stacked"] = {"file": stacked_file(written or source, tier.get("name") or tier["model"]).name}
         if setting["threshold"] is not None and math.isfinite(setting["threshold"]):
             tier["threshold"] = round(setting["threshold"], 6)
         elif setting["judge_measure"] is None:  # never accepted on its own: the next tier always answers
@@ -459,6 +563,18 @@ def table(result: dict) -> str:
         lines.append(row("oracle deciding before any tier runs", result["oracle_before"]))
     for name, fam in sorted(result["per_family"].items(), key=lambda kv: kv[1]["calibration"]["compute"]):
         lines.append(row(name, fam["held_out"]))
+    lines += ["", "The best of each group of families on the held-out split itself (compute, and the share "
+              "the last tier generates):", "",
+              "| accuracy vs last tier | " + " | ".join(f"{level:.0%}" for level in LEVELS) + " |",
+              "| --- |" + " ---: |" * len(LEVELS)]
+    for group, best in frontiers(result).items():
+        cells = [f"{p['compute']:.2f}x ({p['last_tier_share']:.0%})" if p else "" for p in best.values()]
+        lines.append(f"| {group} | " + " | ".join(cells) + " |")
+    if result.get("auroc"):
+        lines += ["", "AUROC of the first tier's scores (right against wrong answers), calibration "
+                  "(cross-fitted where fit) / held out: " + ", ".join(
+                      f"{m} {result['auroc']['calibration'].get(m) or 0:.3f} / {v or 0:.3f}"
+                      for m, v in result["auroc"]["held_out"].items())]
     return "\n".join(lines) + "\n"
 
 
@@ -471,16 +587,20 @@ def plot(result: dict, path: Path) -> bool:
     except ImportError:
         return False
     fig, ax = plt.subplots(figsize=(9, 5))
+    ax.set_prop_cycle(color=plt.cm.tab20.colors)  # more curves than the default ten colours
     # One curve per own measure and per judge measure; the combined families, and those with a
     # prompt router in front, each as one frontier.
     curves = {k: v for k, v in result["curves"].items() if " + " not in k}
     for label, member in (("own + judge (best of every pair)", lambda k: not k.startswith("route + ")),
-                          ("prompt router + own or judge (best)", lambda k: k.startswith("route + "))):
+                          ("prompt router + own or judge (best)",
+                           lambda k: k.startswith("route + ") and "stacked" not in k),
+                          ("prompt router + stacked", lambda k: k.startswith("route + ") and "stacked" in k)):
         combined = [p for k, v in result["curves"].items() if " + " in k and member(k) for p in v]
         if combined:
             curves[label] = _frontier(combined)
     for name, points in sorted(curves.items()):
-        ax.plot([p["compute"] for p in points], [p["accuracy"] for p in points], marker=".", label=name)
+        ax.plot([p["compute"] for p in points], [p["accuracy"] for p in points], marker=".", label=name,
+                linewidth=2.5 if "stacked" in name else 1.5)
     o = result["oracle"]
     ax.scatter([o["compute"]], [o["accuracy"]], marker="D", color="g", label="oracle router", zorder=3)
     if "oracle_before" in result:
@@ -524,6 +644,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     cal.add_argument("--dtype", default="float32")
     cal.add_argument("--no-route", dest="route", action="store_false",
                      help="leave prompt routers out of the candidates (router/prompt_router.py)")
+    cal.add_argument("--no-stacked", dest="stacked", action="store_false",
+                     help="leave the stacked confidence out of the candidates (router/stacked_confidence.py)")
     cal.add_argument("--from", dest="replay_from", type=Path, help="replay a runs.json instead of running the models")
 
 
@@ -553,10 +675,13 @@ def main(args: argparse.Namespace) -> int:
         runs = json.loads(args.replay_from.read_text())
         if [t["model"] for t in runs["tiers"]] != [t.model for t in config.tiers]:
             return fail(f"--from {args.replay_from}: its tiers' models differ from {args.config}'s")
+        for saved, tier in zip(runs["tiers"], config.tiers):  # (a runs.json from before they were saved)
+            saved.setdefault("window", tier.window)
+            saved.setdefault("top_logprobs", tier.top_logprobs)
     else:
         runs = collect(config, tasks, args.max_tokens, args.device, args.dtype)
         (args.out / "runs.json").write_text(json.dumps(runs))
-    result = calibrate(runs, args.target_quality, args.split, args.seed, args.grid, args.route)
+    result = calibrate(runs, args.target_quality, args.split, args.seed, args.grid, args.route, args.stacked)
     (args.out / "results.json").write_text(json.dumps(result, indent=1))
     text = table(result)
     (args.out / "calibration.md").write_text(text)
@@ -566,6 +691,9 @@ def main(args: argparse.Namespace) -> int:
     for tier, setting, router in zip(config.tiers, result["picked"]["calibration"]["settings"], result["routers"]):
         if setting.get("route_threshold") is not None:
             router_file(written, tier.name).write_text(json.dumps(router))
+    for tier, setting, model in zip(config.tiers, result["picked"]["calibration"]["settings"], result["stacked"]):
+        if setting["measure"] == "stacked":
+            stacked_file(written, tier.name).write_text(json.dumps(model))
     print(text)
     if not result["reached_target"]:
         print(f"no setting reached {args.target_quality:.0%} of the last tier's accuracy on the calibration "

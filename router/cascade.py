@@ -3,7 +3,8 @@
     request -> plan (cascade? pinned tier? opted out?) -> tier 1's prompt router (``route``):
                unlikely to answer right -> skip to the next tier before it runs
             -> tier 1 with logprobs, held back
-            -> confidence over its window -> accept: release what was held, stream the rest
+            -> confidence over its window (``measure: stacked``: over the prompt's text too)
+                                          -> accept: release what was held, stream the rest
                                           -> unsure, with a judge: the next tier scores the draft
                                              in one prefill (its prompt logprobs) -> accept | escalate
                                           -> escalate: cancel it, next tier ... the last answers
@@ -81,9 +82,9 @@ def plan(config: CascadeConfig | None, request: pb.GenerateRequest) -> Plan | No
 class _Trial:
     """What one tier produced so far: its messages (held back), logprobs and token count."""
 
-    def __init__(self, tier: TierConfig):
+    def __init__(self, tier: TierConfig, prompt: str | None = None):
         self.tier = tier
-        self.measure = tier.create_measure()
+        self.measure = tier.create_measure(prompt)  # (the stacked measure also reads the prompt)
         self.messages: list[pb.GenerateResponse] = []
         self.logprobs: list[pb.TokenLogprob] = []
         self.token_ids: list[int] = []
@@ -163,7 +164,7 @@ class CascadeRun:
                 self.metrics.cascade_decisions.labels(tier.name, "skip").inc()
                 self.metrics.cascade_escalations.labels(tier.name, "route").inc()
                 continue  # costs nothing: the tier never ran
-            trial = _Trial(tier)
+            trial = _Trial(tier, prompt_text(self.request))
             stream = self.answer(self._tier_request(tier, final, draft), self._remaining())
             async with contextlib.aclosing(stream):
                 if final:

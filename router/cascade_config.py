@@ -21,6 +21,9 @@ the file, the line and the key (``cascade.yaml:9: tiers[0].threshold: must be a 
           file: small.router.json  # a prompt router (router/prompt_router.py; written by calibrate),
                                    # relative to this file
           threshold: 0.4           # skip the tier when its chance of a right answer is below it
+        # measure: stacked         # P(right) from the prompt and the draft's measures together
+        # threshold: 0.6           # (router/stacked_confidence.py): accept at or above it
+        # stacked: {file: small.stacked.json}  # its model (written by calibrate), relative to this file
       - name: large
         model: qwen2.5-coder-1.5b
 
@@ -43,6 +46,7 @@ import yaml
 
 from router.confidence import MEASURES, ConfidenceMeasure, create_measure
 from router.prompt_router import PromptRouter, PromptRouterError
+from router.stacked_confidence import OWN_MEASURES, StackedConfidenceError, StackedModel, surer
 
 log = logging.getLogger(__name__)
 
@@ -75,11 +79,6 @@ def _positive_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 1
 
 
-def _surer(measure: str, value: float, bar: float) -> bool:
-    """``value`` of ``measure`` is at least as sure as ``bar``."""
-    return value >= bar if MEASURES[measure].higher_is_surer else value <= bar
-
-
 @dataclass(frozen=True)
 class JudgeConfig:
     """The next tier judges a draft in one prefill: the draft's tokens' logprobs under its model
@@ -104,7 +103,7 @@ class JudgeConfig:
         return create_measure(self.measure, self.top_logprobs)
 
     def accepts(self, score: float) -> bool:
-        return _surer(self.measure, score, self.threshold)
+        return surer(self.measure, score, self.threshold)
 
 
 _JUDGE_KEYS = {"measure", "threshold", "floor", "top_logprobs"}
@@ -135,6 +134,21 @@ _ROUTE_KEYS = {"file", "threshold"}
 
 
 @dataclass(frozen=True)
+class StackedConfig:
+    """The model of a tier's ``measure: stacked`` (router/stacked_confidence.py)."""
+
+    file: str
+    model: StackedModel | None = field(default=None, compare=False, repr=False)  # the file, once read
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.file, str) or not self.file:
+            raise FieldError(("file",), f"must be a file name, not {self.file!r}")
+
+
+_STACKED_KEYS = {"file"}
+
+
+@dataclass(frozen=True)
 class TierConfig:
     model: str
     name: str = ""  # default: the model name
@@ -145,6 +159,7 @@ class TierConfig:
     top_logprobs: int = 20  # mean_entropy: alternatives asked for per token
     judge: JudgeConfig | None = None  # below threshold (or always, without one): the next tier judges
     route: RouteConfig | None = None  # before the tier runs: skip it for prompts it likely gets wrong
+    stacked: StackedConfig | None = None  # measure stacked: its model
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model:
@@ -153,26 +168,38 @@ class TierConfig:
             object.__setattr__(self, "name", self.model)
         if not isinstance(self.name, str):
             raise FieldError(("name",), "must be a string")
-        if self.measure not in MEASURES:
-            raise FieldError(("measure",), f"must be one of {sorted(MEASURES)}, not {self.measure!r}")
+        if self.measure not in OWN_MEASURES:
+            raise FieldError(("measure",), f"must be one of {sorted(OWN_MEASURES)}, not {self.measure!r}")
         if self.threshold is not None and not _number(self.threshold):
             raise FieldError(("threshold",), f"must be a number, not {self.threshold!r}")
+        if self.measure == "stacked":
+            if self.stacked is None:
+                raise FieldError(("stacked",), "missing: measure stacked reads its model from `stacked: {file: F}`")
+            if self.threshold is not None and not 0 <= self.threshold <= 1:
+                raise FieldError(("threshold",), f"measure stacked: must be a probability in [0, 1], "
+                                                 f"not {self.threshold!r}")
+        elif self.stacked is not None:
+            raise FieldError(("stacked",), f"only with measure: stacked (this tier's is {self.measure})")
         for key in ("window", "max_tokens", "top_logprobs"):
             value = getattr(self, key)
             if value is not None and not _positive_int(value):
                 raise FieldError((key,), f"must be an integer >= 1, not {value!r}")
 
-    def create_measure(self) -> ConfidenceMeasure:
+    def create_measure(self, prompt: str | None = None) -> ConfidenceMeasure:
+        """The tier's measure for a request with this prompt text (only the stacked one reads it)."""
+        if self.stacked is not None:
+            assert self.stacked.model is not None, "a stacked file is read when the cascade file is parsed"
+            return self.stacked.model.measure(prompt)
         return create_measure(self.measure, self.top_logprobs)
 
     def accepts(self, confidence: float) -> bool:
         """Accepted on its own confidence, without asking a judge."""
-        return self.threshold is not None and _surer(self.measure, confidence, self.threshold)
+        return self.threshold is not None and surer(self.measure, confidence, self.threshold)
 
     def judged(self, confidence: float) -> bool:
         """Not accepted on its own: does the next tier judge it (else it escalates)?"""
         return self.judge is not None and (self.judge.floor is None
-                                           or _surer(self.measure, confidence, self.judge.floor))
+                                           or surer(self.measure, confidence, self.judge.floor))
 
 
 @dataclass(frozen=True)
@@ -228,7 +255,8 @@ class CascadeConfig:
 # --- the YAML file, with line numbers -----------------------------------------------------------
 
 _TOP_KEYS = {"name", "mode", "original_prompt_only", "review_prompt", "tiers"}
-_TIER_KEYS = {"name", "model", "measure", "threshold", "window", "max_tokens", "top_logprobs", "judge", "route"}
+_TIER_KEYS = {"name", "model", "measure", "threshold", "window", "max_tokens", "top_logprobs", "judge", "route",
+              "stacked"}
 
 
 def _key(path: tuple[str | int, ...]) -> str:
@@ -297,6 +325,8 @@ def parse_cascade(text: str, source: str = "<cascade>", base: Path | None = None
             item["judge"] = _judge(item["judge"], ("tiers", i, "judge"), fail)
         if "route" in item:
             item["route"] = _route(item["route"], ("tiers", i, "route"), fail, base or Path.cwd())
+        if "stacked" in item:
+            item["stacked"] = _stacked(item["stacked"], ("tiers", i, "stacked"), fail, base or Path.cwd())
         try:
             tiers.append(TierConfig(**item))
         except FieldError as err:
@@ -339,6 +369,24 @@ def _route(data: Any, path: tuple[str | int, ...], fail, base: Path) -> RouteCon
     try:
         return replace(route, router=PromptRouter.load(base / route.file))
     except PromptRouterError as err:
+        raise fail((*path, "file"), str(err)) from None
+
+
+def _stacked(data: Any, path: tuple[str | int, ...], fail, base: Path) -> StackedConfig:
+    if not isinstance(data, dict):
+        raise fail(path, "must be a mapping (file)")
+    for key in data:
+        if key not in _STACKED_KEYS:
+            raise fail((*path, str(key)), f"unknown key; known: {sorted(_STACKED_KEYS)}")
+    if "file" not in data:
+        raise fail((*path, "file"), "missing: the stacked confidence's file")
+    try:
+        stacked = StackedConfig(data["file"])
+    except FieldError as err:
+        raise fail((*path, *err.path), err.message) from None
+    try:
+        return replace(stacked, model=StackedModel.load(base / stacked.file))
+    except StackedConfidenceError as err:
         raise fail((*path, "file"), str(err)) from None
 
 

@@ -66,9 +66,13 @@ class PromptRouter:
         self.weights, self.bias, self.trained_on = weights.astype(np.float32), float(bias), trained_on
 
     def score(self, text: str) -> float:
-        idx = features(text)
-        z = float(self.weights[idx].sum()) / math.sqrt(len(idx)) + self.bias
+        z = self.logit(text)
         return 1.0 / (1.0 + math.exp(-z)) if z > -60 else 0.0
+
+    def logit(self, text: str) -> float:
+        """The score's log odds (w . features + bias)."""
+        idx = features(text)
+        return float(self.weights[idx].sum()) / math.sqrt(len(idx)) + self.bias
 
     @classmethod
     def train(cls, texts: Sequence[str], right: Sequence[bool], l2: float = 1e-3, steps: int = 400) -> PromptRouter:
@@ -111,14 +115,18 @@ class PromptRouter:
 
     @classmethod
     def load(cls, path: str | Path) -> PromptRouter:
-        path = Path(path)
-        try:
-            data = json.loads(path.read_text())
-        except OSError as err:
-            raise PromptRouterError(f"{path}: cannot read: {err.strerror or err}") from None
-        except json.JSONDecodeError as err:
-            raise PromptRouterError(f"{path}: not JSON: {err}") from None
-        return cls.from_json(data, str(path))
+        return cls.from_json(read_json(path, PromptRouterError), str(path))
+
+
+def read_json(path: str | Path, error: type[ValueError]) -> object:
+    """A model file's JSON, or ``error`` naming the file and why it cannot be read."""
+    path = Path(path)
+    try:
+        return json.loads(path.read_text())
+    except OSError as err:
+        raise error(f"{path}: cannot read: {err.strerror or err}") from None
+    except json.JSONDecodeError as err:
+        raise error(f"{path}: not JSON: {err}") from None
 
 
 def cross_fit(texts: Sequence[str], right: Sequence[bool], folds: int = 5,

@@ -110,6 +110,66 @@ def test_calibration_trains_the_router_on_its_split_and_scores_the_rest_unseen()
     assert len(result["routers"]) == 1 and result["routers"][0]["trained_on"] == 6
 
 
+def test_the_stacked_confidence_is_swept_like_an_own_measure() -> None:
+    # Own measures say nothing; the stacked scores (as attach_stacked leaves them) rank one wrong
+    # answer (task 4, 0.6) above a right one (task 2, 0.5).
+    r = runs([1, 1, 1, 0, 0, 0], [1] * 6, own=[-0.3] * 6, judge=[-9] * 6)
+    for a, p in zip(r["tiers"][0]["answers"], [0.9, 0.7, 0.5, 0.2, 0.6, 0.3]):
+        a["own"]["stacked"] = p
+    # Large's accuracy (6/6) needs no wrong answer kept: accept at >= 0.7 (tasks 0, 1), the other
+    # four escalate: small 6 x 20 + large 4 x 60 = 360 of large alone's 360.
+    best, _, _ = search(r, range(6), target=1.0, grid=4)
+    assert best["settings"][0]["measure"] == "stacked" and best["settings"][0]["threshold"] == 0.7
+    assert best["accuracy"] == 1.0 and best["compute"] == pytest.approx(1.0)
+    # 5/6 allows one wrong answer: accept at >= 0.5 (tasks 0, 1, 2 and 4), 120 + 2 x 60 = 240;
+    # at 0.3 two wrong ones get in (4/6), and own confidence accepts all or nothing.
+    best, _, _ = search(r, range(6), target=5 / 6, grid=4)
+    assert best["settings"][0]["measure"] == "stacked" and best["settings"][0]["threshold"] == 0.5
+    assert best["accuracy"] == pytest.approx(5 / 6) and best["compute"] == pytest.approx(240 / 360)
+
+
+def stacked_runs(n: int = 40) -> dict:
+    """Capitals the small tier gets right when it is sure; products it gets wrong, just as sure:
+    neither the prompt nor the draft alone finds every wrong answer, the two together do."""
+    small, own, prompts = [], [], []
+    for i in range(n):
+        sure = i % 4 < 2
+        if i % 2:
+            prompts.append(f"What is the capital of {'France Peru Japan Kenya Chile'.split()[i % 5]}? One word.")
+            small.append(sure)
+        else:
+            prompts.append(f"What is {100 + 7 * i} times {11 + i}? The number only.")
+            small.append(False)
+        own.append(-0.05 - 0.001 * i if sure else -1.5 - 0.01 * i)
+    r = runs(small, [1] * n, own=own, judge=[-9] * n)
+    r["tasks"] = [{"prompt": p, "answer": "x", "scorer": "exact"} for p in prompts]
+    return r
+
+
+def test_calibration_fits_the_stacked_confidence_and_writes_it_beside_the_cascade_file(tmp_path: Path) -> None:
+    (tmp_path / "runs.json").write_text(json.dumps(stacked_runs()))
+    (tmp_path / "tasks.jsonl").write_text("".join(json.dumps(t) + "\n" for t in stacked_runs()["tasks"]))
+    (tmp_path / "cascade.yaml").write_text("tiers:\n  - {name: small, model: s, threshold: -0.3}\n"
+                                           "  - {name: large, model: l}\n")
+    done = subprocess.run([sys.executable, "-m", "kvcascade", "cascade", "calibrate", "--config",
+                           str(tmp_path / "cascade.yaml"), "--tasks", str(tmp_path / "tasks.jsonl"), "--out",
+                           str(tmp_path / "out"), "--from", str(tmp_path / "runs.json"), "--target-quality", "1.0",
+                           "--no-route", "--write", str(tmp_path / "c.yaml")],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    # Own confidence keeps the sure products; the stacked confidence escalates them and keeps the
+    # sure capitals: on the held-out half, large's accuracy for its compute on what small misses.
+    result = json.loads((tmp_path / "out" / "results.json").read_text())
+    held = result["picked"]["held_out"]
+    assert held["settings"][0]["measure"] == "stacked" and held["accuracy"] == 1.0
+    assert held["compute"] == pytest.approx(result["oracle"]["compute"])
+    assert result["auroc"]["held_out"]["stacked"] == 1.0 > result["auroc"]["held_out"]["sum_logprob"]
+    tier = load_cascade(tmp_path / "c.yaml").tiers[0]
+    assert tier.measure == "stacked" and tier.stacked.file == "c.small.stacked.json" and tier.route is None
+    assert tier.threshold == pytest.approx(held["settings"][0]["threshold"], abs=1e-6)
+    assert "| stacked confidence (no router in front) |" in done.stdout
+
+
 def test_the_command_end_to_end_writes_a_file_the_router_loads(tmp_path: Path) -> None:
     config = tmp_path / "cascade.yaml"
     config.write_text("tiers:\n  - name: small\n    model: smollm2-135m\n    threshold: -0.3\n"

@@ -24,6 +24,7 @@ from protos import kvcascade_pb2 as pb
 from protos import kvcascade_pb2_grpc as pb_grpc
 from router.cascade_config import CascadeConfigError, CascadeFile, parse_cascade
 from router.prompt_router import PromptRouter
+from router.stacked_confidence import StackedModel
 from router.grpc_api import RouterServer
 from router.http_api import create_app, http_port, serve_http, stop_http
 from contracts.memory_state import MemoryPrefixIndex, MemoryRegistry
@@ -479,4 +480,86 @@ def test_many_routed_requests_at_once(stack: Stack, router_file: Path) -> None:
         assert roles(msgs[-1]) == [("large", "answer")] and msgs[-1].usage.completion_tokens == 6
     assert stack.metric("kvcascade_cascade_decisions_total", tier="small", outcome="skip") - skipped == len(PRODUCTS)
     assert stack.metric("kvcascade_cascade_escalations_total", tier="small", reason="route") >= len(PRODUCTS)
+    stack.wait_until_idle()
+
+
+# --- the stacked confidence: P(right) from the prompt and the draft together ---------------------
+
+
+@pytest.fixture(scope="module")
+def stacked_file(router_file: Path) -> Path:
+    """A stacked confidence led by the prompt's words (the prompt router's weights, doubled:
+    capitals likely right, products not), the draft's numbers nudging it; hand-set weights: the
+    test is the serving, not the fit."""
+    router = PromptRouter.load(router_file)
+    weights = {"sum_logprob": 0.3, "mean_logprob": 0.2, "min_logprob": 0.1, "mean_entropy": -0.2, "log_tokens": 0.1}
+    model = StackedModel(PromptRouter(2 * router.weights, 0.0), list(weights), list(weights.values()),
+                         2 * router.bias + 0.3)
+    path = router_file.parent / "small.stacked.json"
+    model.save(path)
+    return path
+
+
+def stacked_yaml(stacked_file: Path, threshold: float = 0.5) -> str:
+    small = {"measure": "stacked", "threshold": threshold, "stacked": f"{{file: {stacked_file}}}"}
+    return cascade_yaml(small)
+
+
+@pytest.mark.parametrize("lines, line, key, message", [
+    (["measure: stacked", "threshold: 0.5"], 2, "tiers[0].stacked", "missing: measure stacked reads"),  # the tier's
+    (["threshold: 1", "stacked: {file: STACKED}"], 4, "tiers[0].stacked", "only with measure: stacked"),
+    (["measure: stacked", "threshold: 1.5", "stacked: {file: STACKED}"], 4, "tiers[0].threshold", "a probability"),
+    (["measure: stacked", "threshold: 0.5", "stacked: {file: missing.json}"], 5, "tiers[0].stacked.file",
+     "cannot read"),
+    (["measure: stacked", "threshold: 0.5", "stacked: {fil: STACKED}"], 5, "tiers[0].stacked.fil", "unknown key"),
+    (["measure: stacked", "threshold: 0.5", "stacked: STACKED"], 5, "tiers[0].stacked", "must be a mapping"),
+    (["measure: stacked", "threshold: 0.5", "stacked: {file: BAD}"], 5, "tiers[0].stacked.file",
+     "weights: must be 5 numbers"),
+    (["threshold: 1", "judge: {measure: stacked, threshold: 0.5}"], 4, "tiers[0].judge.measure", "must be one of"),
+])
+def test_a_bad_stacked_confidence_is_refused_naming_key_and_line(stacked_file: Path, tmp_path: Path, lines, line,
+                                                                 key, message) -> None:
+    bad = tmp_path / "bad.stacked.json"
+    bad.write_text(json.dumps({**json.loads(stacked_file.read_text()), "weights": [1.0]}))
+    body = "".join(f"    {x.replace('BAD', str(bad)).replace('STACKED', str(stacked_file))}\n" for x in lines)
+    with pytest.raises(CascadeConfigError) as err:
+        parse_cascade(f"tiers:\n  - model: a\n{body}  - model: b\n", "c.yaml")
+    assert (err.value.line, err.value.key) == (line, key) and message in err.value.message, str(err.value)
+
+
+def test_many_stacked_requests_at_once_score_as_the_replay_does(stack: Stack, stacked_file: Path) -> None:
+    """Each draft's stacked confidence, served, equals what calibration's replay computes from the
+    same prompt and the same logprobs (kvcascade/calibrate.py); the cascade keeps a draft exactly
+    when it reaches the threshold, under concurrent requests."""
+    from kvcascade.calibrate import answer_record, stacked_row
+    from loadtest.tasks import Task
+
+    stack.use(stacked_yaml(stacked_file))
+    model = StackedModel.load(stacked_file)
+    questions = CAPITALS + PRODUCTS
+
+    def ask(q: str, tier: str = "") -> list[pb.GenerateResponse]:
+        req = request(max_tokens=6, tier=tier)
+        req.sampling.ClearField("ignore_eos")  # a draft may end early: its length is a feature
+        req.sampling.logprobs = 20  # the client sees what the measure read
+        req.messages.messages[0].content = q
+        return stack.ask(req)
+
+    with ThreadPoolExecutor(2 * len(questions)) as pool:
+        drafts = pool.map(ask, questions, ["small"] * len(questions))  # the small tier's own draft
+        answers = pool.map(ask, questions)  # the cascade
+        drafts, answers = list(drafts), list(answers)
+    for q, draft, msgs in zip(questions, drafts, answers):
+        # The replay: the draft recorded as calibration records it, scored with its prompt.
+        task = Task(id="t", prompt=q, answer="x", scorer="exact")
+        record = answer_record(task, [], text(draft), [t for m in draft for t in m.token_ids],
+                               [lp for m in draft for lp in m.logprobs], None, 20)
+        replayed = model.score(q, stacked_row(record, None))
+        assert draft[-1].tier == "small" and draft[-1].confidence == pytest.approx(replayed, abs=1e-6)
+        kept = replayed >= 0.5
+        assert {(m.tier, m.escalated) for m in msgs} == ({("small", False)} if kept else {("large", True)}), q
+        if kept:
+            assert text(msgs) == text(draft) and msgs[-1].confidence == pytest.approx(draft[-1].confidence, abs=1e-5)
+    # The router leads: capitals kept, products escalated after their trial.
+    assert [m[-1].tier for m in answers] == ["small"] * len(CAPITALS) + ["large"] * len(PRODUCTS)
     stack.wait_until_idle()
