@@ -10,7 +10,7 @@ import random
 
 import pytest
 
-from kvcascade.calibrate import auroc
+from kvcascade.calibration_report import auroc
 from protos import kvcascade_pb2 as pb
 from router.prompt_router import PromptRouter
 from router.stacked_confidence import (FEATURES, StackedConfidenceError, StackedModel, cross_fit, features,
