@@ -107,14 +107,23 @@ def sm_count(device: torch.device) -> int:
 # dependent launches, each otherwise paying its launch latency after its producer ends.
 # KVCASCADE_PDL=0 turns it off (the A/B baseline).
 PDL = os.environ.get("KVCASCADE_PDL", "1") != "0"
-# The kernels that come right before a projection (RMS norm, SiLU, attention and its merge) let
-# the next kernel be scheduled before their own wait, not after it: the projection (its first
-# weight tiles fetched before its wait: kernels/wq_gluon.py) then starts while the small kernel
-# still waits for the one before it, two kernels ahead. Safe by transitivity: a kernel's wait
-# returns once the kernel before it completed, and that one completed only after its own wait.
-# KVCASCADE_PDL_EARLY=0: after the wait, as every other kernel does (the A/B)
+# A kernel that comes right before a quantized projection (RMS norm, SiLU, attention and its merge)
+# may let the next kernel be scheduled before its own wait, not after it: the projection (its
+# first weight tiles fetched before its wait: kernels/wq_gluon.py) then starts while the small
+# kernel still waits for the one before it, two kernels ahead. Safe by transitivity: a kernel's
+# wait returns once the kernel before it completed, and that one completed only after its own
+# wait. The caller says when (``early_next``: the model knows which projection follows); only at
+# up to EARLY_MAX_ROWS rows. H200, dummy Llama-3.1-8B (docs/BENCHMARKS.md): int4 batch 1 2.25 ->
+# 2.17 ms, batch 16 2.65 -> 2.57; batch 64 3.90 -> 3.99; and a bf16 model's batch-1 step (skinny
+# GEMVs, which wait before reading anything) 4.37-4.51 -> 4.85 ms, so never before those.
+# KVCASCADE_PDL_EARLY=0: never (the A/B)
 PDL_EARLY = os.environ.get("KVCASCADE_PDL_EARLY", "1") != "0"
-EARLY_NEXT = tl.constexpr(PDL_EARLY) if tl is not None else PDL_EARLY  # a kernel's EARLY argument below
+EARLY_MAX_ROWS = 16
+
+
+def early_next(flag: bool, rows: int) -> dict[str, bool]:
+    """The EARLY launch option of a kernel before a projection (see above)."""
+    return {"EARLY": bool(flag) and PDL_EARLY and rows <= EARLY_MAX_ROWS}
 
 
 @functools.cache
@@ -135,7 +144,7 @@ def wait_for_producer(USE_PDL: tl.constexpr, EARLY: tl.constexpr = False):
     """First thing in every kernel: before it, a PDL-launched kernel may not read what the
     previous kernel writes, nor exit (stream order after it relies on its having waited). Then
     the next kernel may be scheduled (it waits in turn), so its launch overlaps this one's work;
-    EARLY (EARLY_NEXT above): scheduled before this one's wait."""
+    EARLY (early_next above): scheduled before this one's wait."""
     if USE_PDL:
         if EARLY:
             gdc_launch_dependents()

@@ -38,7 +38,8 @@ from __future__ import annotations
 
 import torch
 
-from kernels._triton import EARLY_NEXT, cdiv, check_launchable, interpreting, jit, next_power_of_2, pdl_launch, sm_count, tl, wait_for_producer
+from kernels._triton import (cdiv, check_launchable, early_next, interpreting, jit, next_power_of_2, pdl_launch, sm_count,
+                             tl, wait_for_producer)
 from kernels.kv_store import kv_scale, kv_scale_args, quantize, scale_offsets
 from kernels.rotary import _rotate
 
@@ -247,8 +248,9 @@ def _decode_kernel(
     KV_QMAX: tl.constexpr,  # 0: a float pool; else an int8/fp8 pool's QMAX
     DOTS: tl.constexpr,  # KV_QMAX > 0: the dots' operands, see DECODE_QUANT_DOTS
     USE_PDL: tl.constexpr,
+    EARLY: tl.constexpr = False,  # kernels/_triton.py's early_next
 ):
-    wait_for_producer(USE_PDL, EARLY_NEXT)
+    wait_for_producer(USE_PDL, EARLY)
     b = tl.program_id(0)
     if HAS_ORDER:  # programs start in the given order of sequences (the engine's: longest first)
         b = tl.load(order_ptr + b)
@@ -372,10 +374,10 @@ def _decode_kernel(
 def _decode_merge_kernel(
     part_o_ptr, part_lse_ptr, out_ptr, stride_ob, stride_oh,
     NUM_HEADS: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, USE_PDL: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, USE_PDL: tl.constexpr, EARLY: tl.constexpr = False,
 ):
     """Merges one (sequence, head)'s split partials, weighting each by exp2(lse - max lse)."""
-    wait_for_producer(USE_PDL, EARLY_NEXT)
+    wait_for_producer(USE_PDL, EARLY)
     b = tl.program_id(0)
     h = tl.program_id(1)
     offs_s = tl.arange(0, BLOCK_S)
@@ -423,7 +425,7 @@ def _prefill_kernel(
     KV_QMAX: tl.constexpr,  # 0: a float pool; else an int8/fp8 pool's QMAX
     USE_PDL: tl.constexpr,
 ):
-    wait_for_producer(USE_PDL, EARLY_NEXT)
+    wait_for_producer(USE_PDL)
     tile = tl.program_id(0)
     kvh = tl.program_id(1)
     b = _find_sequence(qsl_ptr, tile, num_seqs, BLOCK_Q)
@@ -546,6 +548,7 @@ def paged_decode_attention(
     order: torch.Tensor | None = None,  # [B] int32, a permutation of the rows: programs start in it
     rope_store: tuple | None = None,  # (positions, k, v, cos, sin, slot_mapping): see below
     kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None,  # int8/fp8 pool: [num_blocks, KVH, block_size] fp32
+    next_quantized: bool = False,  # a quantized projection reads the output (kernels/_triton.py's early_next)
 ) -> torch.Tensor:
     """Attention of each row's query over its context. With ``rope_store``, ``q`` is not rotated
     yet and the step's new token is not in the pool: the kernel rotates q and k (as
@@ -573,6 +576,7 @@ def paged_decode_attention(
         part_o = part_lse = out  # unused
     block_d = next_power_of_2(head_dim)
     pdl = pdl_launch(q.device)
+    early = early_next(next_quantized, batch)
     dots = _decode_dots(q.dtype, qmax)
     if qmax:
         block_n, num_warps, num_stages = DECODE_QUANT
@@ -602,14 +606,14 @@ def paged_decode_attention(
         NUM_SPLITS=num_splits, HAS_ORDER=order is not None, ROPE_STORE=rope_store is not None,
         DOT_PRECISION=_dot_precision(q.dtype), KV_QMAX=qmax,
         DOTS=dots,
-        num_warps=num_warps, num_stages=num_stages, **pdl,
+        num_warps=num_warps, num_stages=num_stages, **pdl, **early,
         **({"maxnreg": DECODE_QUANT_MAXNREG} if dots == "pairs_asm" and DECODE_QUANT_MAXNREG else {}),
     )
     if num_splits > 1:
         _decode_merge_kernel[(batch, num_heads)](
             part_o, part_lse, out, out.stride(0), out.stride(1),
             NUM_HEADS=num_heads, NUM_SPLITS=num_splits, BLOCK_S=next_power_of_2(num_splits),
-            HEAD_DIM=head_dim, BLOCK_D=block_d, num_warps=4, **pdl,
+            HEAD_DIM=head_dim, BLOCK_D=block_d, num_warps=4, **pdl, **early,
         )
     return out
 

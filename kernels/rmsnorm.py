@@ -4,16 +4,16 @@ from __future__ import annotations
 
 import torch
 
-from kernels._triton import EARLY_NEXT, check_launchable, jit, next_power_of_2, pdl_launch, tl, wait_for_producer
+from kernels._triton import check_launchable, early_next, jit, next_power_of_2, pdl_launch, tl, wait_for_producer
 
 
 @jit
 def _rms_norm_kernel(
     x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr,
     stride_x, stride_r, stride_o, stride_ro, n_cols, eps,
-    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr, EARLY: tl.constexpr = False,
 ):
-    wait_for_producer(USE_PDL, EARLY_NEXT)
+    wait_for_producer(USE_PDL, EARLY)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < n_cols
@@ -36,6 +36,7 @@ def rms_norm(
     weight: torch.Tensor,  # [N]
     eps: float,
     residual: torch.Tensor | None = None,  # like x
+    next_quantized: bool = False,  # a quantized projection reads the output (kernels/_triton.py's early_next)
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """``weight * norm(x)``; with ``residual``, normalises ``x + residual`` and returns (out, x + residual)."""
     check_launchable(x, weight, *(() if residual is None else (residual,)))
@@ -57,7 +58,7 @@ def rms_norm(
             x2, r2, weight, out, res_out,
             x2.stride(0), r2.stride(0), out.stride(0), res_out.stride(0), n_cols, eps,
             HAS_RESIDUAL=residual is not None, BLOCK=block, num_warps=min(max(block // 512, 1), 16),
-            **pdl_launch(x.device),
+            **pdl_launch(x.device), **early_next(next_quantized, x2.shape[0]),
         )
     out = out.view(x.shape)
     return out if residual is None else (out, res_out.view(x.shape))

@@ -191,6 +191,36 @@ def test_a_finalized_projection_keeps_only_the_tiles(monkeypatch):
     torch.testing.assert_close(wq_matmul.wq_matmul(x, proj.data), x @ w.dequantize().T, atol=1e-4, rtol=1e-5)
 
 
+def test_small_kernels_that_feed_a_tiled_projection_are_told_so(monkeypatch):
+    """mark_next_quantized (after finalize): the norms, the attention and the SiLU learn whether
+    the projection they feed is in the tiled form (sm_90; faked here as above), and so let it start
+    two kernels ahead (kernels/_triton.py's early_next). Tiled here: qkv, down and the LM head;
+    o_proj and gate_up stay natural (a bf16 or natural weight: its kernel waits before reading)."""
+    from worker.models.config import ModelConfig
+    from worker.models.llama import LlamaForCausalLM
+    from worker.models.quantization import QuantizedLinearWeight, QuantPlan, QuantSpec
+
+    cfg = ModelConfig(vocab_size=512, hidden_size=256, intermediate_size=512, num_layers=2, num_heads=4,
+                      num_kv_heads=2)
+    if not wq_gluon.HAS_GLUON:
+        pytest.skip("no Gluon in this Triton")
+    model = LlamaForCausalLM(cfg, QuantPlan(QuantSpec(4, 128))).to(torch.bfloat16)  # bf16 scales, as the kernel needs
+    model.mark_next_quantized()
+    flags = lambda layer: (layer.input_layernorm.next_quantized, layer.self_attn.next_quantized,  # noqa: E731
+                           layer.post_attention_layernorm.next_quantized, layer.mlp.act.next_quantized)
+    assert [flags(layer) for layer in model.model.layers] == [(False,) * 4] * 2 and not model.model.norm.next_quantized
+    monkeypatch.setattr(wq_matmul, "_capability", lambda device: (9, 0))
+    monkeypatch.setattr(wq_matmul, "interpreting", lambda: False)
+    for layer in model.model.layers:
+        for proj in (layer.self_attn.qkv_proj, layer.mlp.down_proj):
+            proj.weight.keep_tiles(wq_matmul.prepare(proj.weight.data))
+    model.lm_head.weight.keep_tiles(wq_matmul.prepare(model.lm_head.weight.data))
+    assert isinstance(model.lm_head.weight, QuantizedLinearWeight)
+    model.mark_next_quantized()
+    assert [flags(layer) for layer in model.model.layers] == [(True, False, False, True)] * 2
+    assert model.model.norm.next_quantized
+
+
 def test_configs_split_only_evenly_and_within_the_workspace():
     assert [wq_gluon_tune.rows_block(m) for m in (1, 8, 9, 16, 17, 300)] == [8, 8, 16, 16, 32, 256]
     # two consumers: each takes every other tile, two an iteration, so a split's tiles are a multiple

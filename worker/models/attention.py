@@ -101,6 +101,7 @@ class AttentionBackend:
         scale: float,
         rope: "tuple[torch.Tensor, RotaryEmbedding] | None" = None,  # (positions [T], the layer's rotary)
         kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None,  # a quantized pool's (k, v) scales
+        next_quantized: bool = False,  # a quantized projection reads the output (kernels/_triton.py's early_next)
     ) -> torch.Tensor:  # [T, H, D]
         raise NotImplementedError
 
@@ -144,7 +145,7 @@ class TorchAttentionBackend(AttentionBackend):
                                     for rows, group in by_ctx.values()]
         meta.extra["prefills"] = prefills
 
-    def forward(self, q, k, v, k_cache, v_cache, meta, scale, rope=None, kv_scales=None):
+    def forward(self, q, k, v, k_cache, v_cache, meta, scale, rope=None, kv_scales=None, next_quantized=False):
         if rope is not None:
             positions, rotary = rope
             q, k = rotary(positions, q, k)

@@ -19,6 +19,7 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
+        self.next_quantized = False  # a quantized projection reads the output (mark_next_quantized)
 
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
@@ -27,7 +28,7 @@ class RMSNorm(nn.Module):
         if x.is_cuda:
             from kernels import rms_norm
 
-            return rms_norm(x, self.weight, self.eps, residual)
+            return rms_norm(x, self.weight, self.eps, residual, self.next_quantized)
         if residual is not None:
             x = x + residual
             residual = x
@@ -88,10 +89,12 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 class SiluAndMul(nn.Module):
+    next_quantized = False  # a quantized projection reads the output (mark_next_quantized)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.is_cuda:
             from kernels import silu_and_mul
 
-            return silu_and_mul(x)
+            return silu_and_mul(x, self.next_quantized)
         gate, up = x.chunk(2, dim=-1)
         return F.silu(gate) * up

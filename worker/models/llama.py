@@ -16,7 +16,7 @@ import torch.nn as nn
 from worker.models.attention import get_forward_context
 from worker.models.config import ModelConfig
 from worker.models.layers import RMSNorm, RotaryEmbedding, SiluAndMul
-from worker.models.quantization import LM_HEAD, QuantizedLinearWeight, QuantPlan, finalize_quantized
+from worker.models.quantization import LM_HEAD, QuantizedLinearWeight, QuantPlan, finalize_quantized, tiled
 from worker.models.parallel_layers import (MergedColumnParallelLinear, ParallelLMHead, QKVParallelLinear,
                                            RowParallelLinear, VocabParallelEmbedding, default_weight_loader)
 
@@ -37,6 +37,7 @@ class LlamaAttention(nn.Module):
                                         shard.q_start * cfg.head_dim, self.q_size, quant.spec(f"{prefix}.o_proj"))
         self.rotary = RotaryEmbedding(self.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
         self.scale = self.head_dim**-0.5
+        self.next_quantized = False  # o_proj is quantized (LlamaForCausalLM.mark_next_quantized)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
@@ -46,7 +47,7 @@ class LlamaAttention(nn.Module):
         meta = get_forward_context()
         kv = meta.kv_caches[self.layer_idx]
         o = meta.backend.forward(q, k, v, kv.k, kv.v, meta, self.scale, rope=(positions, self.rotary),
-                                 kv_scales=kv.scales)
+                                 kv_scales=kv.scales, next_quantized=self.next_quantized)
         return self.o_proj(o.reshape(-1, self.q_size))
 
 
@@ -166,6 +167,18 @@ class LlamaForCausalLM(nn.Module):
         if missing:
             raise KeyError(f"weights missing from the checkpoint: {sorted(missing)[:8]}")
         finalize_quantized(self)
+        self.mark_next_quantized()
+
+    def mark_next_quantized(self) -> None:
+        """Tell each small kernel that feeds a projection in the Gluon kernel's tiled form so (the
+        norms, the attention, the SiLU): it then lets that projection start two kernels ahead
+        (kernels/_triton.py's early_next)."""
+        for layer in self.model.layers:
+            layer.input_layernorm.next_quantized = tiled(layer.self_attn.qkv_proj)
+            layer.self_attn.next_quantized = tiled(layer.self_attn.o_proj)
+            layer.post_attention_layernorm.next_quantized = tiled(layer.mlp.gate_up_proj)
+            layer.mlp.act.next_quantized = tiled(layer.mlp.down_proj)
+        self.model.norm.next_quantized = tiled(self.lm_head)
 
     def _weight_slots(self) -> dict[str, nn.Parameter | QuantizedLinearWeight]:
         """Every weight by name: Parameters, and packed projections' weights."""

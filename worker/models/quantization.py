@@ -132,6 +132,11 @@ class QuantizedLinearWeight(nn.Module):
         self.qweight = torch.empty(0, dtype=torch.uint8)  # the nibbles live on in `packed` only
         self.scales = self.biases = torch.empty(0, dtype=self.scales.dtype)
 
+    @property
+    def tiled(self) -> bool:
+        """In the Gluon kernel's tiled form (sm_90, after finalize)."""
+        return self._tiles is not None
+
     def keep_tiles(self, tiles: TiledWeight | None) -> None:
         """The weight in the Gluon kernel's tiled form from now on, the natural buffers freed
         (none: kept as it is)."""
@@ -181,6 +186,12 @@ def finalize_quantized(model: nn.Module) -> None:
     for module in model.modules():
         if isinstance(module, QuantizedLinearWeight):
             module.finalize()
+
+
+def tiled(projection: nn.Module) -> bool:
+    """Whether ``projection`` (a linear layer) runs the Gluon kernel: its weight tiled at finalize."""
+    weight = getattr(projection, "weight", None)
+    return isinstance(weight, QuantizedLinearWeight) and weight.tiled
 
 
 def weight_bytes(model: nn.Module) -> int:

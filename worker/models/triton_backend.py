@@ -42,7 +42,7 @@ class TritonAttentionBackend(AttentionBackend):
             meta.extra["prefill_context_lens"] = ctx[nd:]
             meta.extra["prefill_query_start"] = to_device([q - qs[nd] for q in qs[nd:]], device)
 
-    def forward(self, q, k, v, k_cache, v_cache, meta, scale, rope=None, kv_scales=None):
+    def forward(self, q, k, v, k_cache, v_cache, meta, scale, rope=None, kv_scales=None, next_quantized=False):
         from kernels import paged_decode_attention, paged_prefill_attention, rotary_store_kv, store_kv
 
         nd = meta.num_decodes
@@ -58,7 +58,8 @@ class TritonAttentionBackend(AttentionBackend):
         # decode rows): a row reads the K/V its neighbours store, so all are stored first.
         if decodes_only and rope is not None and not extra.get("decode_store_first"):
             positions, rotary = rope
-            return decode(q, rope_store=(positions, k, v, rotary.cos, rotary.sin, meta.slot_mapping))
+            return decode(q, rope_store=(positions, k, v, rotary.cos, rotary.sin, meta.slot_mapping),
+                          next_quantized=next_quantized)
         if rope is None:
             store_kv(k, v, k_cache, v_cache, meta.slot_mapping, kv_scales=kv_scales)
         else:  # rotate q and k and store k and v: one launch
@@ -66,7 +67,7 @@ class TritonAttentionBackend(AttentionBackend):
             rotary_store_kv(positions, q, k, v, rotary.cos, rotary.sin, k_cache, v_cache, meta.slot_mapping,
                             kv_scales=kv_scales)
         if decodes_only:
-            return decode(q)
+            return decode(q, next_quantized=next_quantized)
         out = torch.empty_like(q)  # both kernels write their rows of it in place
         if nd:
             decode(q[:nd], out=out[:nd])
