@@ -230,10 +230,20 @@ def search(runs: dict, calib: Sequence[int], target: float, grid: int) -> tuple[
     per_tier = [candidates(runs, i, calib, grid, exact=last == 1) for i in range(last)]
     goal = target * accuracy(runs, last, calib) - 1e-12
     points = [replay(runs, calib, combo) | {"combo": combo} for combo in itertools.product(*per_tier)]
+    return _pick(points, goal), points, goal
+
+
+def _pick(points: list[dict], goal: float) -> dict:
+    """The cheapest point reaching ``goal`` accuracy, else the most accurate."""
     reaching = [p for p in points if p["accuracy"] >= goal]
     if reaching:
-        return min(reaching, key=lambda p: (p["compute"], -p["accuracy"])), points, goal
-    return min(points, key=lambda p: (-p["accuracy"], p["compute"])), points, goal
+        return min(reaching, key=lambda p: (p["compute"], -p["accuracy"]))
+    return min(points, key=lambda p: (-p["accuracy"], p["compute"]))
+
+
+def family(point: dict) -> str:
+    """The family of a point's settings, as calibration.md names it (``route + own stacked``)."""
+    return " | ".join(s.family for s in point["combo"])
 
 
 def attach_routes(runs: dict, calib: Sequence[int], held: Sequence[int], seed: int) -> list[PromptRouter]:
@@ -280,12 +290,16 @@ def attach_stacked(runs: dict, calib: Sequence[int], held: Sequence[int], seed: 
     return models
 
 
+class UnknownFamily(ValueError):
+    """``--family`` names no family of the settings swept."""
+
+
 def calibrate(runs: dict, target: float, split: float, seed: int, grid: int, route: bool = True,
-              stacked: bool = True) -> dict:
+              stacked: bool = True, only: str | None = None) -> dict:
     """Pick on the calibration split, report on the held-out one (module docstring, step 3);
     ``route``: with prompt routers in front of the tiers as candidates too (their weights in the
     result's ``routers``); ``stacked``: with the stacked confidence as an own measure (its models in
-    ``stacked``)."""
+    ``stacked``); ``only``: pick from that family alone (UnknownFamily naming them if there is none)."""
     n = len(runs["tasks"])
     order = list(range(n))
     random.Random(seed).shuffle(order)
@@ -297,7 +311,11 @@ def calibrate(runs: dict, target: float, split: float, seed: int, grid: int, rou
     # The held-out curve of each family: its settings' cheapest points, cost against accuracy.
     families: dict[str, list[dict]] = {}
     for p in points:
-        families.setdefault(" | ".join(s.family for s in p["combo"]), []).append(p)
+        families.setdefault(family(p), []).append(p)
+    if only is not None:
+        if only not in families:
+            raise UnknownFamily(f"no family {only!r}; the families: {sorted(families)}")
+        best = _pick(families[only], goal)
     curves = {name: frontier([replay(runs, held, p["combo"]) for p in pts]) for name, pts in families.items()}
     per_family = {}
     for name, pts in families.items():
@@ -464,6 +482,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                      help="leave prompt routers out of the candidates (router/prompt_router.py)")
     cal.add_argument("--no-stacked", dest="stacked", action="store_false",
                      help="leave the stacked confidence out of the candidates (router/stacked_confidence.py)")
+    cal.add_argument("--family", help="pick from this family of settings only, as calibration.md names them "
+                     "(e.g. 'route + own stacked'; default: every family)")
     cal.add_argument("--from", dest="replay_from", type=Path, help="replay a runs.json instead of running the models")
 
 
@@ -499,7 +519,11 @@ def main(args: argparse.Namespace) -> int:
     else:
         runs = collect(config, tasks, args.max_tokens, args.device, args.dtype)
         (args.out / "runs.json").write_text(json.dumps(runs))
-    result = calibrate(runs, args.target_quality, args.split, args.seed, args.grid, args.route, args.stacked)
+    try:
+        result = calibrate(runs, args.target_quality, args.split, args.seed, args.grid, args.route, args.stacked,
+                           args.family)
+    except UnknownFamily as err:
+        return fail(f"--family: {err}")
     (args.out / "results.json").write_text(json.dumps(result, indent=1))
     text = table(result)
     (args.out / "calibration.md").write_text(text)

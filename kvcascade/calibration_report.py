@@ -90,12 +90,12 @@ def calibrated_yaml(source: Path, result: dict, written: Path | None = None) -> 
         for key in ("measure", "threshold", "judge", "route", "stacked"):
             tier.pop(key, None)
         tier["measure"] = setting["measure"]
-        if setting["measure"] == "stacked":
-            tier["stacked"] = {"file": stacked_file(written or source, tier.get("name") or tier["model"]).name}
         if setting["threshold"] is not None and math.isfinite(setting["threshold"]):
             tier["threshold"] = round(setting["threshold"], 6)
-        elif setting["judge_measure"] is None:  # never accepted on its own: the next tier always answers
-            tier["threshold"] = setting["threshold"] if setting["threshold"] is not None else 1e9
+        elif setting["judge_measure"] is None:  # never accepted on its own: the next tier always answers,
+            tier["measure"], tier["threshold"] = "min_prob", 1.01  # a bar no measure's file can write as inf
+        if tier["measure"] == "stacked":
+            tier["stacked"] = {"file": stacked_file(written or source, tier.get("name") or tier["model"]).name}
         if setting["judge_measure"] is not None:
             judge = {"measure": setting["judge_measure"], "threshold": round(setting["judge_threshold"], 6)}
             if setting["floor"] is not None:

@@ -168,6 +168,17 @@ def test_calibration_fits_the_stacked_confidence_and_writes_it_beside_the_cascad
     assert tier.measure == "stacked" and tier.stacked.file == "c.small.stacked.json" and tier.route is None
     assert tier.threshold == pytest.approx(held["settings"][0]["threshold"], abs=1e-6)
     assert "| stacked confidence (no router in front) |" in done.stdout
+    # --family picks from one family only, and refuses one it does not know, naming them.
+    cmd = [*done.args[:-3], "--write", str(tmp_path / "d.yaml")]
+    again = subprocess.run([*cmd, "--family", "own sum_logprob"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert again.returncode == 0, again.stderr
+    picked = json.loads((tmp_path / "out" / "results.json").read_text())["picked"]["calibration"]["settings"][0]
+    assert picked["measure"] == "sum_logprob" and picked["threshold"] == math.inf  # (nothing else reaches 100%)
+    # ... which the file says as a bar nothing reaches: the router refuses an infinite threshold.
+    tier = load_cascade(tmp_path / "d.yaml").tiers[0]
+    assert (tier.measure, tier.threshold) == ("min_prob", 1.01)
+    bad = subprocess.run([*cmd, "--family", "vibes"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "--family: no family 'vibes'; the families: [" in bad.stderr, bad.stderr
 
 
 def test_the_command_end_to_end_writes_a_file_the_router_loads(tmp_path: Path) -> None:

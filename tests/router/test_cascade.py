@@ -83,9 +83,17 @@ def test_a_bad_file_is_refused_naming_key_and_line(text: str, line: int, key: st
 def test_the_shipped_example_is_valid() -> None:
     from router.cascade_config import load_cascade
 
-    for name in ("cascade.example.yaml", "cascade.routed.yaml"):
+    for name in ("cascade.example.yaml", "cascade.stacked.yaml", "cascade.routed.yaml"):
         config = load_cascade(Path(__file__).resolve().parents[2] / "deploy" / name)
         assert [t.model for t in config.tiers] == ["qwen2.5-coder-0.5b", "qwen2.5-coder-1.5b"]
+    # The stacked one's confidence (fit on the same half) trusts a draft less where the 0.5B is
+    # often wrong: the same sure draft scores lower answering a unit conversion than an antonym
+    # (conversions never get that far: the route in front sends them on).
+    stacked = load_cascade(Path(__file__).resolve().parents[2] / "deploy" / "cascade.stacked.yaml").tiers[0]
+    sure = [pb.TokenLogprob(logprob=-0.05, top=[pb.TopLogprob(logprob=-0.05), pb.TopLogprob(logprob=-3.0)])] * 2
+    antonym = stacked.create_measure("What is the opposite of 'north'? Reply with one word only.").score(sure)
+    convert = stacked.create_measure("How many minutes are in 37 hours? Reply with the number only.").score(sure)
+    assert stacked.measure == "stacked" and antonym > stacked.threshold and antonym - convert > 0.1, (antonym, convert)
     # The routed one's prompt router (trained on the calibration half of deploy/cascade_tasks.jsonl)
     # sends what the 0.5B never gets right straight to the 1.5B, and keeps the 0.5B where it does.
     route = config.tiers[0].route
