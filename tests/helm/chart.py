@@ -50,6 +50,8 @@ VARIANTS: dict[str, Obj] = {
     "cascade": {"cascade": {"enabled": True, "config": {"small": "qwen2.5-coder-0.5b", "large": "qwen2.5-coder-1.5b",
                                                          "threshold": 0.7}}},
     "model-volume": {"workers": _MODEL_VOLUME},
+    "cache-volume": {"workers": {"cacheVolume": {"hostPath": {"path": "/var/cache/kvcascade",
+                                                             "type": "DirectoryOrCreate"}}}},
     "cpu": {"workers": {"device": "cpu", "replicas": 1, "tolerations": []}},
     "everything": {
         "workers": {**_MODEL_VOLUME, "tp": 4, "kuberay": {"enabled": True}, "heartbeatTtl": 10,

@@ -119,8 +119,9 @@ def test_mounts_have_volumes_and_caches_are_writable(rendered):
         mounts = {m["mountPath"]: m for m in c.get("volumeMounts", [])}
         for m in mounts.values():
             assert m["name"] in volumes, f"{owner}/{c['name']}: mount {m['name']} has no volume"
-        writable = [path for path, m in mounts.items() if not m.get("readOnly") and "emptyDir" in volumes[m["name"]]]
-        # The root filesystem is read-only: everything that writes must land in an emptyDir.
+        writable = [path for path, m in mounts.items() if not m.get("readOnly")
+                    and {"emptyDir", "hostPath", "persistentVolumeClaim"} & set(volumes[m["name"]])]
+        # The root filesystem is read-only: everything that writes must land in a writable volume.
         for name in ("HOME", "KVCASCADE_CACHE", "HF_HOME", "TRITON_CACHE_DIR"):
             if name in env_of(c):
                 path = env_of(c)[name]["value"]
@@ -141,6 +142,27 @@ def test_model_volume_is_shared_read_only_by_workers_and_routers():
     assert flag(r.container("worker")["args"], "--model") == "/models/qwen2.5-coder-1.5b-instruct-q4_k_m.gguf"
     assert "qwen2.5-coder-1.5b-instruct-q4_k_m" in r.notes  # the model id a first request names
     assert not any(v["name"] == "model" for v in render().pods("worker")[0]["spec"]["volumes"])
+
+
+def test_the_workers_cache_can_outlive_the_pod():
+    """workers.cacheVolume: /cache in every worker pod (Triton's kernels and the tuned Gluon tiles
+    there, through TRITON_CACHE_DIR and KVCASCADE_CACHE) from the given volume; an emptyDir by
+    default, and the router's stays one."""
+    for variant in (VARIANTS["cache-volume"], {**VARIANTS["cache-volume"], "workers": {
+            **VARIANTS["cache-volume"]["workers"], "kuberay": {"enabled": True}}}):
+        r = render(variant)
+        workers = [t for owner, t in r.pod_templates() if "worker" in owner or owner.endswith("/gpu")]
+        assert workers
+        for template in workers:
+            volume = next(v for v in template["spec"]["volumes"] if v["name"] == "cache")
+            assert volume == {"name": "cache", **variant["workers"]["cacheVolume"]}
+            c = template["spec"]["containers"][0]
+            assert {"name": "cache", "mountPath": "/cache"} in c["volumeMounts"]
+            assert env_of(c)["KVCASCADE_CACHE"]["value"].startswith("/cache/")
+        router = next(v for v in r.pods("router")[0]["spec"]["volumes"] if v["name"] == "cache")
+        assert router == {"name": "cache", "emptyDir": {}}
+    default = next(v for v in render().pods("worker")[0]["spec"]["volumes"] if v["name"] == "cache")
+    assert default == {"name": "cache", "emptyDir": {}}
 
 
 def test_cascade_file_is_a_mounted_config_map():

@@ -289,8 +289,13 @@ livenessProbe:
 {{- end }}
 
 {{- define "kvcascade.workerVolumes" -}}
-{{- with include "kvcascade.cacheVolumes" . | trim }}
-{{ . }}
+- name: tmp
+  emptyDir: {}
+- name: cache
+{{- with .Values.workers.cacheVolume }}
+  {{- toYaml . | nindent 2 }}
+{{- else }}
+  emptyDir: {}
 {{- end }}
 - name: dshm
   emptyDir:
