@@ -9,8 +9,8 @@ must be *for this kind of prompt*:
 
     P(right) = sigmoid(bias + prompt(text) + sum_f weight_f x feature_f)
 
-    prompt(text)   a weight per hashed word n-gram of the prompt, as the prompt router hashes them
-                   (so the kinds of question shift the bar), summed over the prompt's n-grams
+    prompt(text)   a weight per hashed word n-gram of the prompt, as the prompt router hashes and
+                   sums them (over the root of their count), so the kind of question shifts the bar
     sum_logprob    the draft's (window's) log-probability
     mean_logprob   ... per token
     min_logprob    log of min_prob: the least likely chosen token
