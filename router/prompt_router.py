@@ -20,7 +20,7 @@ import json
 import math
 import re
 import zlib
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -129,20 +129,26 @@ def read_json(path: str | Path, error: type[ValueError]) -> object:
         raise error(f"{path}: not JSON: {err}") from None
 
 
+def fold_splits(n: int, folds: int, seed: int) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+    """(held out, fit on) index arrays of each of ``folds`` seeded folds over ``n`` items, those
+    with an empty side skipped: the folds every cross-fit here shares."""
+    order = np.random.default_rng(seed).permutation(n)
+    for f in range(folds):
+        test = order[f::folds]
+        fit = np.setdiff1d(order, test)
+        if len(test) and len(fit):
+            yield test, fit
+
+
 def cross_fit(texts: Sequence[str], right: Sequence[bool], folds: int = 5,
               seed: int = 0) -> tuple[list[float], PromptRouter]:
     """Each text's score from a router trained on the other folds (what a threshold may be picked
     on without the router having seen the answer it is scored on), and the router to use on new
     prompts: the fold routers' average (their mean logit), so new prompts score on the same scale
     as the picked threshold: one router trained on every text would score more boldly."""
-    order = np.random.default_rng(seed).permutation(len(texts))
     scores = [float(np.mean(right))] * len(texts)
     trained = []
-    for f in range(folds):
-        test = order[f::folds]
-        train = np.setdiff1d(order, test)
-        if not len(test) or not len(train):
-            continue
+    for test, train in fold_splits(len(texts), folds, seed):
         router = PromptRouter.train([texts[i] for i in train], [right[i] for i in train])
         trained.append(router)
         for i in test:

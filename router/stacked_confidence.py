@@ -38,7 +38,7 @@ import numpy as np
 
 from protos import kvcascade_pb2 as pb
 from router.confidence import MEASURES, create_measure
-from router.prompt_router import DIM, PromptRouter, PromptRouterError, read_json
+from router.prompt_router import DIM, PromptRouter, PromptRouterError, fold_splits, read_json
 from router.prompt_router import features as prompt_features
 
 FORMAT = "kvcascade-stacked-confidence/1"
@@ -200,14 +200,9 @@ def cross_fit(prompts: Sequence[str], rows: Sequence[Mapping[str, float]], right
     """As prompt_router.cross_fit: each draft's score from a model fit on the other folds (what a
     threshold is picked on), and the model for new drafts, the fold models' average (a linear model:
     their mean logit)."""
-    order = np.random.default_rng(seed).permutation(len(rows))
     scores = [float(np.mean(right))] * len(rows)
     trained = []
-    for f in range(folds):
-        test = order[f::folds]
-        fit = np.setdiff1d(order, test)
-        if not len(test) or not len(fit):
-            continue
+    for test, fit in fold_splits(len(rows), folds, seed):
         model = StackedModel.train([prompts[i] for i in fit], [rows[i] for i in fit], [right[i] for i in fit],
                                    **train)
         trained.append(model)
