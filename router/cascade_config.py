@@ -338,14 +338,23 @@ def parse_cascade(text: str, source: str = "<cascade>", base: Path | None = None
         raise fail(err.path, err.message) from None
 
 
-def _judge(data: Any, path: tuple[str | int, ...], fail) -> JudgeConfig:
+def _check_mapping(data: Any, path: tuple[str | int, ...], fail, shape: str, known: set[str],
+                   required: dict[str, str]) -> None:
+    """A nested section (judge, route, stacked): a mapping (``shape`` names its keys), of ``known``
+    keys only, holding each of ``required`` (key: what is missing, in the message)."""
     if not isinstance(data, dict):
-        raise fail(path, "must be a mapping (measure, threshold, floor)")
+        raise fail(path, f"must be a mapping ({shape})")
     for key in data:
-        if key not in _JUDGE_KEYS:
-            raise fail((*path, str(key)), f"unknown key; known: {sorted(_JUDGE_KEYS)}")
-    if "threshold" not in data:
-        raise fail((*path, "threshold"), "missing: the judge's score to accept at")
+        if key not in known:
+            raise fail((*path, str(key)), f"unknown key; known: {sorted(known)}")
+    for key, what in required.items():
+        if key not in data:
+            raise fail((*path, key), f"missing: {what}")
+
+
+def _judge(data: Any, path: tuple[str | int, ...], fail) -> JudgeConfig:
+    _check_mapping(data, path, fail, "measure, threshold, floor", _JUDGE_KEYS,
+                   {"threshold": "the judge's score to accept at"})
     try:
         return JudgeConfig(**data)
     except FieldError as err:
@@ -353,15 +362,9 @@ def _judge(data: Any, path: tuple[str | int, ...], fail) -> JudgeConfig:
 
 
 def _route(data: Any, path: tuple[str | int, ...], fail, base: Path) -> RouteConfig:
-    if not isinstance(data, dict):
-        raise fail(path, "must be a mapping (file, threshold)")
-    for key in data:
-        if key not in _ROUTE_KEYS:
-            raise fail((*path, str(key)), f"unknown key; known: {sorted(_ROUTE_KEYS)}")
-    for key in ("file", "threshold"):
-        if key not in data:
-            raise fail((*path, key), "missing: " + ("the prompt router's file" if key == "file"
-                                                    else "the chance of a right answer below which the tier is skipped"))
+    _check_mapping(data, path, fail, "file, threshold", _ROUTE_KEYS,
+                   {"file": "the prompt router's file",
+                    "threshold": "the chance of a right answer below which the tier is skipped"})
     try:
         route = RouteConfig(data["file"], data["threshold"])
     except FieldError as err:
@@ -373,13 +376,7 @@ def _route(data: Any, path: tuple[str | int, ...], fail, base: Path) -> RouteCon
 
 
 def _stacked(data: Any, path: tuple[str | int, ...], fail, base: Path) -> StackedConfig:
-    if not isinstance(data, dict):
-        raise fail(path, "must be a mapping (file)")
-    for key in data:
-        if key not in _STACKED_KEYS:
-            raise fail((*path, str(key)), f"unknown key; known: {sorted(_STACKED_KEYS)}")
-    if "file" not in data:
-        raise fail((*path, "file"), "missing: the stacked confidence's file")
+    _check_mapping(data, path, fail, "file", _STACKED_KEYS, {"file": "the stacked confidence's file"})
     try:
         stacked = StackedConfig(data["file"])
     except FieldError as err:
