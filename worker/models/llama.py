@@ -15,9 +15,10 @@ import torch.nn as nn
 
 from worker.models.attention import get_forward_context
 from worker.models.config import ModelConfig
+from worker.models.dense_packed import pack_dense_projections
 from worker.models.layers import RMSNorm, RotaryEmbedding, SiluAndMul
 from worker.models.quantization import LM_HEAD, QuantizedLinearWeight, QuantPlan, finalize_quantized, tiled
-from worker.models.parallel_layers import (MergedColumnParallelLinear, ParallelLMHead, QKVParallelLinear,
+from worker.models.parallel_layers import (PROJECTIONS, MergedColumnParallelLinear, ParallelLMHead, QKVParallelLinear,
                                            RowParallelLinear, VocabParallelEmbedding, default_weight_loader)
 
 
@@ -61,9 +62,25 @@ class LlamaMLP(nn.Module):
         self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, start, count,
                                            quant.spec(f"{prefix}.down_proj"))
         self.act = SiluAndMul()
+        self.fused_act = False  # gate_up is tiled: its kernel may apply the SiLU too (mark_next_quantized)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fused_act:
+            act = _gate_up_silu(self.gate_up_proj, x)
+            if act is not None:
+                return self.down_proj(act)
         return self.down_proj(self.act(self.gate_up_proj(x)))
+
+
+def _gate_up_silu(gate_up: MergedColumnParallelLinear, x: torch.Tensor) -> torch.Tensor | None:
+    """silu(gate) * up from a tiled gate|up projection in one launch (kernels/wq_matmul.py's
+    wq_matmul_silu: the SiLU in the Gluon kernel's epilogue), or None where that kernel does not
+    take the call. A rank's gate|up holds its own halves of both, so tensor parallelism changes nothing."""
+    from kernels.wq_matmul import wq_matmul_silu
+
+    x2 = x.reshape(-1, x.shape[-1]).contiguous()
+    act = wq_matmul_silu(x2, gate_up.weight.data)
+    return None if act is None else act.view(*x.shape[:-1], act.shape[-1])
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -167,17 +184,20 @@ class LlamaForCausalLM(nn.Module):
         if missing:
             raise KeyError(f"weights missing from the checkpoint: {sorted(missing)[:8]}")
         finalize_quantized(self)
+        pack_dense_projections(m for m in self.modules() if isinstance(m, PROJECTIONS))
         self.mark_next_quantized()
 
     def mark_next_quantized(self) -> None:
         """Tell each small kernel that feeds a projection in the Gluon kernel's tiled form so (the
         norms, the attention, the SiLU): it then lets that projection start two kernels ahead
-        (kernels/_triton.py's early_next)."""
+        (kernels/_triton.py's early_next); and each MLP whose gate|up is tiled that its kernel
+        may apply the SiLU (LlamaMLP.fused_act)."""
         for layer in self.model.layers:
             layer.input_layernorm.next_quantized = tiled(layer.self_attn.qkv_proj)
             layer.self_attn.next_quantized = tiled(layer.self_attn.o_proj)
             layer.post_attention_layernorm.next_quantized = tiled(layer.mlp.gate_up_proj)
             layer.mlp.act.next_quantized = tiled(layer.mlp.down_proj)
+            layer.mlp.fused_act = tiled(layer.mlp.gate_up_proj)
         self.model.norm.next_quantized = tiled(self.lm_head)
 
     def _weight_slots(self) -> dict[str, nn.Parameter | QuantizedLinearWeight]:

@@ -22,6 +22,7 @@ import torch.nn.functional as F
 
 from worker.distributed.group import get_tp
 from worker.distributed.partition import head_shard, split_evenly, vocab_shard
+from worker.models.dense_packed import PackedDenseWeight
 from worker.models.quantization import QuantizedLinearWeight, QuantSpec, make_weight
 
 
@@ -32,9 +33,9 @@ from worker.models.quantization import QuantizedLinearWeight, QuantSpec, make_we
 SKINNY_MAX_ROWS = 1
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor | QuantizedLinearWeight, bias: torch.Tensor | None = None
-           ) -> torch.Tensor:
-    if isinstance(weight, QuantizedLinearWeight):
+def linear(x: torch.Tensor, weight: torch.Tensor | QuantizedLinearWeight | PackedDenseWeight,
+           bias: torch.Tensor | None = None) -> torch.Tensor:
+    if isinstance(weight, (QuantizedLinearWeight, PackedDenseWeight)):
         return weight.matmul(x, bias)
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
     if x.is_cuda and 0 < rows <= SKINNY_MAX_ROWS and x.dtype == weight.dtype:
@@ -171,3 +172,7 @@ class ParallelLMHead(VocabParallelEmbedding):
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = get_tp().all_gather_last(linear(hidden, self.weight))
         return logits[..., : self.vocab_size]
+
+
+# The layers whose ``weight`` goes through ``linear`` (worker/models/dense_packed.py packs them).
+PROJECTIONS = (QKVParallelLinear, MergedColumnParallelLinear, RowParallelLinear, ParallelLMHead)

@@ -27,6 +27,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from kernels.wquant import QuantizedWeight, empty_quantized
+from worker.models.dense_packed import PackedDenseWeight
 
 if TYPE_CHECKING:
     from kernels.wq_gluon import TiledWeight
@@ -199,7 +200,7 @@ def weight_bytes(model: nn.Module) -> int:
     seen: set[int] = set()
     total = 0
     for module in model.modules():
-        if isinstance(module, QuantizedLinearWeight) and id(module) not in seen:
+        if isinstance(module, (QuantizedLinearWeight, PackedDenseWeight)) and id(module) not in seen:
             seen.add(id(module))
             total += module.nbytes()
     for p in model.parameters():
