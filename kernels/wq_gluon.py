@@ -268,16 +268,17 @@ if HAS_GLUON:
         return acc, sb_next
 
     @gluon.jit
-    def _wq_gluon_kernel(x_desc, w_desc, sb_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K, stride_sb, stride_om,
-                         GROUP: gl.constexpr, HAS_BIAS: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr,
-                         STAGES: gl.constexpr, SPLIT_K: gl.constexpr, num_warps: gl.constexpr,
+    def _wq_gluon_kernel(x_desc, w_desc, sb_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr, act_ptr, M, N, K, stride_sb,
+                         stride_om, GROUP: gl.constexpr, HAS_BIAS: gl.constexpr, BLOCK_N: gl.constexpr,
+                         BLOCK_M: gl.constexpr, STAGES: gl.constexpr, SPLIT_K: gl.constexpr, num_warps: gl.constexpr,
                          INFLIGHT: gl.constexpr = 1, USE_PDL: gl.constexpr = False, BITS: gl.constexpr = 4,
-                         LATE_LAUNCH: gl.constexpr = False):
+                         LATE_LAUNCH: gl.constexpr = False, ACT: gl.constexpr = False):
         """Program (i, j, s) owns out[j BLOCK_M:, i BLOCK_N:] over split s of K's tiles (the host
         makes the splits equal, of an even number of tiles). A warpgroup owns BLOCK_N / (num_warps /
         4) rows (64 or 128: one or two wgmma along M). INFLIGHT: wgmma groups left in flight at
         each tile's wait (1; 0 waits for each tile's, as tl.dot does). USE_PDL: launched as a
-        programmatic dependent launch (kernels/_triton.py). BITS: 4 or 8 (the weight's words)."""
+        programmatic dependent launch (kernels/_triton.py). BITS: 4 or 8 (the weight's words). ACT:
+        out is a gated MLP's gate|up and act_ptr also gets silu(gate) * up (_silu_pair)."""
         mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                                       instr_shape=[16, BLOCK_M, 16])
         a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
@@ -329,8 +330,8 @@ if HAS_GLUON:
         for i in gl.static_range(STAGES):
             mbarrier.invalidate(bars.index(i))
 
-        _store(acc, off_n, off_m, pid_n, pid_m, bias_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, stride_om, mma, HAS_BIAS,
-               BLOCK_N, BLOCK_M, SPLIT_K)
+        _store(acc, off_n, off_m, pid_n, pid_m, bias_ptr, out_ptr, ws_ptr, cnt_ptr, act_ptr, M, N, stride_om, mma,
+               HAS_BIAS, BLOCK_N, BLOCK_M, SPLIT_K, ACT)
 
     @gluon.jit
     def _pdl_wait(LAUNCH: gl.constexpr = True):
@@ -346,11 +347,11 @@ if HAS_GLUON:
                                   is_pure=False, pack=1)
 
     @gluon.jit
-    def _store(acc, off_n, off_m, pid_n, pid_m, bias_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, stride_om,
+    def _store(acc, off_n, off_m, pid_n, pid_m, bias_ptr, out_ptr, ws_ptr, cnt_ptr, act_ptr, M, N, stride_om,
                mma: gl.constexpr, HAS_BIAS: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr,
-               SPLIT_K: gl.constexpr):
+               SPLIT_K: gl.constexpr, ACT: gl.constexpr = False):
         """acc [BLOCK_N, BLOCK_M] (out^T) into out (+ bias); with SPLIT_K > 1 the splits add into ws
-        (fp32 [M, N], zero) and the last to count in stores and re-zeroes."""
+        (fp32 [M, N], zero) and the last to count in stores and re-zeroes. ACT: then _silu_pair."""
         offs_n = off_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, mma))
         offs_m = off_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, mma))
         mask = gl.expand_dims(offs_n < N, 1) & gl.expand_dims(offs_m < M, 0)
@@ -366,10 +367,40 @@ if HAS_GLUON:
                     acc += gl.expand_dims(gl.load(bias_ptr + gl.minimum(offs_n, N - 1)).to(gl.float32), 1)
                 gl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
                 gl.atomic_xchg(cnt_ptr + tile, 0, sem="relaxed")
+                if ACT:
+                    _silu_pair(acc, offs_n, offs_m, mask, pid_n, pid_m, out_ptr, cnt_ptr, act_ptr, N, stride_om)
         else:
             if HAS_BIAS:
                 acc += gl.expand_dims(gl.load(bias_ptr + gl.minimum(offs_n, N - 1)).to(gl.float32), 1)
             gl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+            if ACT:
+                _silu_pair(acc, offs_n, offs_m, mask, pid_n, pid_m, out_ptr, cnt_ptr, act_ptr, N, stride_om)
+
+    @gluon.jit
+    def _silu_pair(acc, offs_n, offs_m, mask, pid_n, pid_m, out_ptr, cnt_ptr, act_ptr, N, stride_om):
+        """A gated MLP's activation in the gate|up projection's epilogue: act [M, N / 2] = silu(gate)
+        * up, rounded as kernels/activation.py's kernel rounds it. Output tile n of the gate half
+        (columns < N / 2) pairs with tile n + N / 2 (the host makes N / 2 a multiple of BLOCK_N);
+        whichever of the two stores second, by a counter a pair after the split counters, reads the
+        other's stored tile back (from the L2) and writes act: no kernel between this projection and
+        the down projection."""
+        half = N // 2
+        pairs = gl.num_programs(0) // 2
+        counter = cnt_ptr + gl.num_programs(0) * gl.num_programs(1) + pid_m * pairs + pid_n % pairs
+        gl.thread_barrier()  # every thread's stores issued before the count (released by the atomic)
+        if gl.atomic_add(counter, 1, sem="acq_rel") == 1:
+            is_gate = pid_n < pairs
+            side = is_gate.to(gl.int32)  # 1: this tile is the gate's, its partner N / 2 columns on
+            rows = gl.expand_dims(offs_m, 0)
+            cols = gl.expand_dims(offs_n, 1)
+            other = gl.load(out_ptr + rows * stride_om + cols + (2 * side - 1) * half, mask=mask,
+                            cache_modifier=".cg").to(gl.float32)
+            mine = acc.to(out_ptr.dtype.element_ty).to(gl.float32)  # as stored
+            g = gl.where(is_gate, mine, other)
+            u = gl.where(is_gate, other, mine)
+            act = (g / (1.0 + gl.exp(-g))).to(out_ptr.dtype.element_ty).to(gl.float32) * u
+            gl.store(act_ptr + rows * half + cols - (1 - side) * half, act.to(act_ptr.dtype.element_ty), mask=mask)
+            gl.atomic_xchg(counter, 0, sem="relaxed")
 
 
 WS_MAXNREG = {8: 64, 16: 64, 32: 80, 64: 80}  # the warp-specialized kernel's register cap, by BLOCK_M

@@ -159,18 +159,28 @@ _descs: dict[tuple, object] = {}
 
 
 def wq_gluon(x: torch.Tensor, weight: TiledWeight, out: torch.Tensor, bias: torch.Tensor | None,
-             ws: torch.Tensor, cnt: torch.Tensor, config: dict) -> None:
+             ws: torch.Tensor, cnt: torch.Tensor, config: dict, act: torch.Tensor | None = None) -> None:
     """out = x @ W^T (+ bias) through the kernel at ``config`` (kernels/wq_gluon_tune.py's
-    dicts); ws, cnt: kernels/wq_matmul.py's split workspace (zero), for SPLIT_K > 1."""
-    _launch(x, weight.words, weight.sb, weight.group_size, out, bias, ws, cnt, config, bits=weight.bits)
+    dicts); ws, cnt: kernels/wq_matmul.py's split workspace (zero), for SPLIT_K > 1. ``act``
+    [M, N / 2]: out is gate|up, and act gets silu(gate) * up (wq_gluon.py's _silu_pair; N / 2 a
+    multiple of the tile's BLOCK_N, cnt holding 1.5 counters an output tile, zero)."""
+    _launch(x, weight.words, weight.sb, weight.group_size, out, bias, ws, cnt, config, bits=weight.bits, act=act)
+
+
+def block_n(config: dict) -> int:
+    """The output rows (of W) a program of ``config`` owns."""
+    return config.get("BLOCK_N", 16 * config["num_warps"])
 
 
 def _launch(x: torch.Tensor, words: torch.Tensor, sb: torch.Tensor, group: int, out: torch.Tensor,
             bias: torch.Tensor | None, ws: torch.Tensor, cnt: torch.Tensor, config: dict,
-            keep_desc: bool = True, bits: int = 4) -> None:
+            keep_desc: bool = True, bits: int = 4, act: torch.Tensor | None = None) -> None:
     (m, k), n = x.shape, words.shape[0]
     bm, warps, split = config["BLOCK_M"], config["num_warps"], config["SPLIT_K"]
-    bn = config.get("BLOCK_N", 16 * warps)
+    bn = block_n(config)
+    if act is not None:  # _silu_pair's tiles pair up across the halves; its counters follow the split ones
+        assert n % (2 * bn) == 0 and act.shape == (m, n // 2) and act.is_contiguous()
+        assert cnt.numel() >= triton.cdiv(m, bm) * (n // bn) * 3 // 2
     x_layout = wq_gluon_mod.gl.NVMMASharedLayout.get_default_for([bm, BLOCK_K], wq_gluon_mod.gl.bfloat16)
     x_desc = wq_gluon_mod.TensorDescriptor(x, [m, k], [x.stride(0), 1], [bm, BLOCK_K], x_layout)
     key = (words.data_ptr(), bn)
@@ -189,8 +199,9 @@ def _launch(x: torch.Tensor, words: torch.Tensor, sb: torch.Tensor, group: int, 
         extra = dict(maxnreg=wq_gluon_mod.WS_MAXNREG[bm])
         if config.get("NC", 1) > 1:
             extra["NC"] = config["NC"]
-    kernel[grid](x_desc, w_desc, sb, out if bias is None else bias, out, ws, cnt, m, n, k, sb.stride(0),
-                 out.stride(0), GROUP=group, HAS_BIAS=bias is not None, BLOCK_N=bn, BLOCK_M=bm,
+    kernel[grid](x_desc, w_desc, sb, out if bias is None else bias, out, ws, cnt, out if act is None else act, m, n,
+                 k, sb.stride(0), out.stride(0), ACT=act is not None, GROUP=group, HAS_BIAS=bias is not None,
+                 BLOCK_N=bn, BLOCK_M=bm,
                  STAGES=config["STAGES"], SPLIT_K=split, num_warps=warps, INFLIGHT=config.get("INFLIGHT", 1), BITS=bits,
                  LATE_LAUNCH=m <= wq_gluon_mod.PDL_LATE_ROWS if wq_gluon_mod.PDL_LATE is None else wq_gluon_mod.PDL_LATE,
                  **(pdl_launch(x.device) if wq_gluon_mod.PDL else dict(USE_PDL=False, launch_pdl=False)), **extra)

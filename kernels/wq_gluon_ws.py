@@ -68,11 +68,11 @@ if HAS_GLUON:
         return acc, sb_next
 
     @gluon.jit
-    def _consumer(x_smem, w_smem, ready, empty, sb_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, stride_sb,
+    def _consumer(x_smem, w_smem, ready, empty, sb_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr, act_ptr, M, N, stride_sb,
                   stride_om, off_m, off_n, pid_n, pid_m, t0, tiles, GROUP: gl.constexpr, HAS_BIAS: gl.constexpr,
                   BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr, SPLIT_K: gl.constexpr,
-                  USE_PDL: gl.constexpr, num_warps: gl.constexpr, BITS: gl.constexpr, C: gl.constexpr = 0,
-                  NC: gl.constexpr = 1):
+                  USE_PDL: gl.constexpr, num_warps: gl.constexpr, BITS: gl.constexpr, ACT: gl.constexpr,
+                  C: gl.constexpr = 0, NC: gl.constexpr = 1):
         mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                                       instr_shape=[16, BLOCK_M, 16])
         a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
@@ -93,15 +93,16 @@ if HAS_GLUON:
         if USE_PDL:  # out and ws only after the kernel before
             _pdl_wait()
         # NC consumers: each adds its part as a K split of its own
-        _store(acc, off_n, off_m, pid_n, pid_m, bias_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, stride_om, mma, HAS_BIAS,
-               BLOCK_N, BLOCK_M, SPLIT_K * NC)
+        _store(acc, off_n, off_m, pid_n, pid_m, bias_ptr, out_ptr, ws_ptr, cnt_ptr, act_ptr, M, N, stride_om, mma,
+               HAS_BIAS, BLOCK_N, BLOCK_M, SPLIT_K * NC, ACT)
 
     @gluon.jit
-    def _wq_gluon_ws_kernel(x_desc, w_desc, sb_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K, stride_sb, stride_om,
-                            GROUP: gl.constexpr, HAS_BIAS: gl.constexpr, BLOCK_N: gl.constexpr,
+    def _wq_gluon_ws_kernel(x_desc, w_desc, sb_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr, act_ptr, M, N, K, stride_sb,
+                            stride_om, GROUP: gl.constexpr, HAS_BIAS: gl.constexpr, BLOCK_N: gl.constexpr,
                             BLOCK_M: gl.constexpr, STAGES: gl.constexpr, SPLIT_K: gl.constexpr,
                             num_warps: gl.constexpr, INFLIGHT: gl.constexpr = 1, USE_PDL: gl.constexpr = False,
-                            BITS: gl.constexpr = 4, LATE_LAUNCH: gl.constexpr = False, NC: gl.constexpr = 1):
+                            BITS: gl.constexpr = 4, LATE_LAUNCH: gl.constexpr = False, NC: gl.constexpr = 1,
+                            ACT: gl.constexpr = False):
         """_wq_gluon_kernel's arguments and grid (INFLIGHT is always 1 here); num_warps 4: the
         consumer warpgroup (BLOCK_N 64 or 128), plus one producer warp; NC 2: and a second consumer
         warpgroup (_consumer_tile). The partitions' arguments are spelled out in each branch (a
@@ -122,20 +123,23 @@ if HAS_GLUON:
         fence_async_shared()
         if NC == 2:  # a second consumer warpgroup: twice the warps unpacking on an SM (1-8 rows: a few CTAs an SM)
             gl.warp_specialize([
-                (_consumer, (x_smem, w_smem, ready, empty, sb_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, stride_sb,
+                (_consumer, (x_smem, w_smem, ready, empty, sb_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr, act_ptr, M, N,
+                             stride_sb,
                              stride_om, off_m, off_n, gl.program_id(0), gl.program_id(1), t0, tiles, GROUP, HAS_BIAS,
-                             BLOCK_N, BLOCK_M, STAGES, SPLIT_K, USE_PDL, num_warps, BITS, 0, 2)),
+                             BLOCK_N, BLOCK_M, STAGES, SPLIT_K, USE_PDL, num_warps, BITS, ACT, 0, 2)),
                 (_producer, (x_desc, w_desc, x_smem, w_smem, ready, empty, off_m, off_n, t0, tiles, STAGES, USE_PDL,
                              WPT, LATE_LAUNCH)),
-                (_consumer, (x_smem, w_smem, ready, empty, sb_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, stride_sb,
+                (_consumer, (x_smem, w_smem, ready, empty, sb_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr, act_ptr, M, N,
+                             stride_sb,
                              stride_om, off_m, off_n, gl.program_id(0), gl.program_id(1), t0, tiles, GROUP, HAS_BIAS,
-                             BLOCK_N, BLOCK_M, STAGES, SPLIT_K, USE_PDL, num_warps, BITS, 1, 2)),
+                             BLOCK_N, BLOCK_M, STAGES, SPLIT_K, USE_PDL, num_warps, BITS, ACT, 1, 2)),
             ], [1, 4], [24, WS_NC2_REGS])
         else:
             gl.warp_specialize([
-                (_consumer, (x_smem, w_smem, ready, empty, sb_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, stride_sb,
+                (_consumer, (x_smem, w_smem, ready, empty, sb_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr, act_ptr, M, N,
+                             stride_sb,
                              stride_om, off_m, off_n, gl.program_id(0), gl.program_id(1), t0, tiles, GROUP, HAS_BIAS,
-                             BLOCK_N, BLOCK_M, STAGES, SPLIT_K, USE_PDL, num_warps, BITS)),
+                             BLOCK_N, BLOCK_M, STAGES, SPLIT_K, USE_PDL, num_warps, BITS, ACT)),
                 (_producer, (x_desc, w_desc, x_smem, w_smem, ready, empty, off_m, off_n, t0, tiles, STAGES, USE_PDL,
                              WPT, LATE_LAUNCH)),
             ], [1], [24])

@@ -919,6 +919,40 @@ def wq_matmul(x: torch.Tensor, weight: QuantizedWeight | TiledWeight, bias: torc
     return out
 
 
+# A gated MLP's SiLU in the gate|up projection's epilogue where the Gluon kernel takes it
+# (wq_matmul_silu), up to SILU_MAX_ROWS rows: H100, dummy Llama-3.1-8B (docs/BENCHMARKS.md), int8
+# batch 1 3.57-3.59 -> 3.55 ms, but batch 64 slower (int4 4.12 -> 4.22: the pairs' second tiles read
+# back and write BLOCK_M rows each, where the SiLU kernel spreads them over the chip).
+# KVCASCADE_GLUON_SILU=0: never (the A/B: the matmul, then kernels/activation.py's kernel)
+GLUON_SILU = os.environ.get("KVCASCADE_GLUON_SILU", "1") != "0"
+SILU_MAX_ROWS = 16
+
+
+def wq_matmul_silu(x: torch.Tensor, weight: QuantizedWeight | TiledWeight,
+                   config: dict | None = None) -> torch.Tensor | None:
+    """``silu_and_mul(wq_matmul(x, weight))`` in one launch, weight a gate|up projection ([2I, K],
+    gate first): x [M, K] -> [M, I], written by the Gluon kernel's epilogue (kernels/wq_gluon.py's
+    _silu_pair), so no kernel runs between this projection and the down projection. None where that
+    kernel does not take the call (not a tiled weight, past SILU_MAX_ROWS rows, the tile's BLOCK_N
+    not dividing I, GLUON_SILU off): the caller runs the two. ``config``: the tile (tests)."""
+    if not (GLUON_SILU and isinstance(weight, TiledWeight)) or not x.is_cuda:
+        return None
+    m, k = x.shape
+    n = weight.shape[0]
+    if not 0 < m <= SILU_MAX_ROWS or n % 2 or decode_path(weight, m, x.dtype) != "gluon" or not wq_gluon.x_fits(x):
+        return None
+    assert weight.shape[1] == k
+    out = torch.empty(m, n, dtype=x.dtype, device=x.device)  # gate|up, read back by the pairs' second tiles
+    # the split counters, then a counter a pair of output tiles (BLOCK_N 64 and BLOCK_M 8 at most)
+    ws, cnt = _workspace(x.device, n, max(-(-n // 64) * -(-WORKSPACE_ROWS // 16), -(-m // 8) * -(-n // 64) * 3 // 2))
+    cfg = config or wq_gluon_tune.tuned_config(x, weight, out, None, ws, cnt, WORKSPACE_ROWS)
+    if n % (2 * wq_gluon_tune.block_n(cfg)):
+        return None
+    act = torch.empty(m, n // 2, dtype=x.dtype, device=x.device)
+    wq_gluon_tune.wq_gluon(x, weight, out, None, ws, cnt, cfg, act=act)
+    return act
+
+
 def _swapped(x: torch.Tensor, weight: QuantizedWeight, out: torch.Tensor, bias_arg: torch.Tensor,
              biases: torch.Tensor, opts: dict, config: dict | None) -> None:
     (m, k), n = x.shape, weight.shape[0]

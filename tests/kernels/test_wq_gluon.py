@@ -221,6 +221,109 @@ def test_small_kernels_that_feed_a_tiled_projection_are_told_so(monkeypatch):
     assert model.model.norm.next_quantized
 
 
+def test_the_mlp_takes_the_silu_from_the_gate_up_kernel_where_it_can(monkeypatch):
+    """mark_next_quantized sets LlamaMLP.fused_act where gate|up is tiled (faked as above); the MLP
+    then takes silu(gate) * up from wq_matmul_silu (the Gluon kernel's epilogue, GPU only: here a
+    stand-in computing it in torch) and runs the SiLU kernel itself where that returns None."""
+    from kernels.reference import silu_and_mul_ref
+    from worker.models.config import ModelConfig
+    from worker.models.llama import LlamaForCausalLM
+    from worker.models.quantization import QuantPlan, QuantSpec
+
+    if not wq_gluon.HAS_GLUON:
+        pytest.skip("no Gluon in this Triton")
+    cfg = ModelConfig(vocab_size=512, hidden_size=256, intermediate_size=512, num_layers=1, num_heads=4,
+                      num_kv_heads=2)
+    model = LlamaForCausalLM(cfg, QuantPlan(QuantSpec(8, 128))).to(torch.bfloat16)
+    mlp = model.model.layers[0].mlp
+    for proj in (mlp.gate_up_proj, mlp.down_proj):
+        proj.weight.data.copy_(_weight(*proj.weight.shape, bits=8))
+    model.mark_next_quantized()
+    assert not mlp.fused_act  # natural weights: the matmul, then the SiLU kernel
+    x = torch.randn(3, 256, dtype=torch.bfloat16)
+    expected = mlp(x)
+    monkeypatch.setattr(wq_matmul, "_capability", lambda device: (9, 0))
+    monkeypatch.setattr(wq_matmul, "interpreting", lambda: False)
+    mlp.gate_up_proj.weight.keep_tiles(wq_matmul.prepare(mlp.gate_up_proj.weight.data))
+    monkeypatch.setattr(wq_matmul, "interpreting", lambda: True)
+    model.mark_next_quantized()
+    assert mlp.fused_act
+    calls = []
+
+    def fused(x2, weight):
+        calls.append(x2.shape)
+        return silu_and_mul_ref(x2 @ weight.dequantize(x2.dtype).T) if len(calls) == 1 else None
+
+    monkeypatch.setattr(wq_matmul, "wq_matmul_silu", fused)
+    torch.testing.assert_close(mlp(x.view(1, 3, 256)), expected.view(1, 3, 256), atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(mlp(x), expected, atol=2e-2, rtol=2e-2)  # None: the two kernels
+    assert calls == [(3, 256)] * 2
+
+
+def test_the_silu_epilogue_is_asked_for_only_where_the_kernel_runs(monkeypatch):
+    """wq_matmul_silu returns None (the caller runs the matmul and the SiLU kernel) for a natural
+    weight, a CPU tensor, and with KVCASCADE_GLUON_SILU=0 (and past SILU_MAX_ROWS rows: the GPU check)."""
+    w = _weight(n=64, k=256, bits=8)
+    x = torch.randn(4, 256, dtype=torch.bfloat16)
+    assert wq_matmul.wq_matmul_silu(x, w) is None
+    if not wq_gluon.HAS_GLUON:
+        return
+    monkeypatch.setattr(wq_matmul, "_capability", lambda device: (9, 0))
+    monkeypatch.setattr(wq_matmul, "interpreting", lambda: False)
+    tiles = wq_matmul.prepare(w)
+    assert tiles is not None and wq_matmul.wq_matmul_silu(x, tiles) is None  # x on the CPU
+    monkeypatch.setattr(wq_matmul, "GLUON_SILU", False)
+    assert wq_matmul.wq_matmul_silu(x, tiles) is None
+
+
+# The epilogue's SiLU against the two launches it replaces, on an sm_90 GPU (run without the interpreter)
+GPU_SILU_CHECK = r'''
+import torch
+from kernels import silu_and_mul
+from kernels.reference import silu_and_mul_ref
+from kernels import wq_matmul
+from kernels.wquant import quantize
+
+torch.manual_seed(0)
+for bits, cfg, k in (
+        (8, dict(BLOCK_N=64, num_warps=4, BLOCK_M=8, STAGES=4, SPLIT_K=1, WS=True), 512),
+        (8, dict(BLOCK_N=64, num_warps=4, BLOCK_M=8, STAGES=4, SPLIT_K=2, WS=True, NC=2), 1024),
+        (4, dict(BLOCK_N=128, num_warps=4, BLOCK_M=16, STAGES=4, SPLIT_K=2, WS=False), 512),
+        (4, dict(BLOCK_N=64, num_warps=4, BLOCK_M=64, STAGES=4, SPLIT_K=1, WS=False), 512),
+        (8, dict(BLOCK_N=128, num_warps=8, BLOCK_M=16, STAGES=4, SPLIT_K=1, WS=False), 512)):
+    w = quantize(torch.randn(1024, k), bits, 128)  # gate|up of I = 512
+    w.scales = w.scales.bfloat16().cuda()
+    w.biases = None if w.biases is None else w.biases.bfloat16().cuda()
+    w.qweight = w.qweight.cuda()
+    tiles = wq_matmul.prepare(w)
+    for rows in (1, 5, 16):
+        x = torch.randn(rows, k, dtype=torch.bfloat16, device="cuda")
+        two = silu_and_mul(wq_matmul.wq_matmul(x, tiles, config=cfg, path="gluon"))
+        for _ in range(2):  # twice: the pair counters are back at zero after a call
+            act = wq_matmul.wq_matmul_silu(x, tiles, config=cfg)
+            torch.cuda.synchronize()
+            # the same sums rounded the same way (a split's atomics may add in another order: 1 ulp)
+            torch.testing.assert_close(act, two, atol=0, rtol=1e-2 if cfg["SPLIT_K"] > 1 else 0)
+        # and the torch reference (bf16 roundings apart: silu's slope amplifies a rounded gate's error)
+        ref = silu_and_mul_ref((x.float() @ w.dequantize().float().T).bfloat16()).float()
+        assert (act.float() - ref).norm() <= 1e-2 * ref.norm(), (bits, cfg, rows)
+        print("ok", bits, cfg, rows)
+    x = torch.randn(wq_matmul.SILU_MAX_ROWS + 1, k, dtype=torch.bfloat16, device="cuda")
+    assert wq_matmul.wq_matmul_silu(x, tiles, config=cfg) is None  # past SILU_MAX_ROWS: the two kernels
+print("silu epilogue: all ok")
+
+'''
+
+
+def test_the_silu_epilogue_matches_the_two_kernels_on_a_gpu():
+    if not (torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0) and wq_gluon.HAS_GLUON):
+        pytest.skip("needs an sm_90 GPU")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, "-c", GPU_SILU_CHECK], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
 def test_configs_split_only_evenly_and_within_the_workspace():
     assert [wq_gluon_tune.rows_block(m) for m in (1, 8, 9, 16, 17, 300)] == [8, 8, 16, 16, 32, 256]
     # two consumers: each takes every other tile, two an iteration, so a split's tiles are a multiple
@@ -315,27 +418,30 @@ tmp = tempfile.mkdtemp()
 ptx_path, cubin_path = os.path.join(tmp, "k.ptx"), os.path.join(tmp, "k.cubin")
 from kernels import wq_gluon_ws
 
-for bits, bn, warps, bm, stages, split, ws in (
+for bits, bn, warps, bm, stages, split, ws, *act in (
         (4, 64, 4, 16, 4, 2, False), (4, 64, 4, 128, 3, 1, False), (4, 128, 8, 64, 4, 1, False),
         (4, 128, 4, 16, 4, 2, False), (4, 64, 4, 16, 4, 2, True), (4, 64, 4, 64, 4, 1, True),
         (8, 64, 4, 16, 4, 2, False), (8, 128, 4, 16, 4, 1, False), (8, 64, 4, 16, 4, 2, True),
         (4, 64, 4, 8, 4, 2, True), (4, 64, 4, 8, 4, 2, False), (8, 64, 4, 8, 3, 2, True), (4, 64, 4, 8, 4, 1, 2),
-        (8, 64, 4, 8, 4, 2, 2)):
+        (8, 64, 4, 8, 4, 2, 2),
+        # the SiLU in the epilogue (_silu_pair): unsplit, split, and the two-consumer kernel's
+        (8, 64, 4, 8, 4, 1, True, True), (4, 128, 4, 16, 4, 2, False, True), (8, 64, 4, 8, 4, 2, 2, True)):
+    act = bool(act)
     wpt = 128 * bits // 32
     xl = gl.NVMMASharedLayout.get_default_for([bm, 128], gl.bfloat16)
     wl = gl.NVMMASharedLayout.get_default_for([bn, wpt], gl.int32)
     sig = {"x_desc": f"tensordesc<bf16[{bm}, 128],{xl!r}>", "w_desc": f"tensordesc<i32[{bn}, {wpt}],{wl!r}>",
            "sb_ptr": "*i32", "bias_ptr": "*bf16", "out_ptr": "*bf16", "ws_ptr": "*fp32", "cnt_ptr": "*i32",
-           "M": "i32", "N": "i32", "K": "i32", "stride_sb": "i32", "stride_om": "i32"}
+           "act_ptr": "*bf16", "M": "i32", "N": "i32", "K": "i32", "stride_sb": "i32", "stride_om": "i32"}
     nc, ws = (ws, True) if ws == 2 else (1, ws)  # ws 2: the warp-specialized kernel with two consumers
     cst = dict(GROUP=128, HAS_BIAS=False, BLOCK_N=bn, BLOCK_M=bm, STAGES=stages, SPLIT_K=split, num_warps=warps,
-               INFLIGHT=1, USE_PDL=True, BITS=bits, LATE_LAUNCH=bits == 8, **({"NC": nc} if nc > 1 else {}))
+               INFLIGHT=1, USE_PDL=True, BITS=bits, LATE_LAUNCH=bits == 8, ACT=act, **({"NC": nc} if nc > 1 else {}))
     sig.update({k: "constexpr" for k in cst})
     fn = wq_gluon_ws._wq_gluon_ws_kernel if ws else wq_gluon._wq_gluon_kernel
     options = {"num_warps": warps, **({"maxnreg": wq_gluon.WS_MAXNREG[bm]} if ws else {})}
     kernel = triton.compile(GluonASTSource(fn, sig, cst), target=GPUTarget("cuda", 90, 32), options=options)
     label = (f"int{bits}, {warps} warps, {bm} rows, {stages} stages, split {split}, warp-specialized {ws}, "
-             f"consumers {nc}")
+             f"consumers {nc}, SiLU {act}")
     ttgir, ptx = kernel.asm["ttgir"], kernel.asm["ptx"]
     # two consumers retire each tile in its own step (the other's overlaps it)
     assert "isAsync = true" in ttgir and f"pendings = {2 - nc}" in ttgir, label + ": no asynchronous wgmma"
@@ -352,6 +458,7 @@ for bits, bn, warps, bm, stages, split, ws in (
     else:
         assert (launch > drained) == (bits == 8), label
     assert not inflight_writes(ptx), label + ": " + str(inflight_writes(ptx)[:3])
+    assert ("ex2.approx" in ptx) == act, label  # the SiLU's exp only where asked for
     with open(ptx_path, "w") as f:
         f.write(ptx)
     log = subprocess.run([os.path.join(bin_dir, "ptxas"), "-v", "--gpu-name", "sm_90a", ptx_path, "-o", cubin_path],
