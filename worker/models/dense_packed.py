@@ -39,7 +39,6 @@ class PackedDenseWeight(nn.Module):
         super().__init__()
         self.shape = tuple(weight.shape)
         self.dtype = weight.dtype
-        self.device = weight.device
         self._nbytes = weight.numel() * weight.element_size()
         # The batch-size hint only picks the reorder's blocking; 1 is what decode calls with.
         self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), 1)
