@@ -54,15 +54,12 @@ class PackedDenseWeight(nn.Module):
         return out.view(*x.shape[:-1], out_features).to(x.dtype)
 
 
-def pack_dense_projections(projections: Iterable[nn.Module]) -> int:
+def pack_dense_projections(projections: Iterable[nn.Module]) -> None:
     """Swap each projection's (a layer that calls ``linear`` on its ``weight``) dense bf16 CPU
     weight for its packed form; a tied LM head gets its own packed copy, the embedding keeps the
-    plain rows. Returns how many were packed."""
-    count = 0
+    plain rows."""
     for module in projections:
         if packable(module.weight):
             weight = module.weight
             del module.weight  # an nn.Parameter: unregister it before a module takes the name
             module.weight = PackedDenseWeight(weight)
-            count += 1
-    return count
