@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import torch
 
+from kernels import HAS_TRITON
+from kernels.argmax import TRITON_ARGMAX, argmax_rows
 from worker.engine.outputs import TokenLogprob
 from worker.engine.sampling_params import SamplingParams
 from worker.engine.structured_output import GrammarMask
@@ -34,9 +36,7 @@ def sample_tokens(logits: torch.Tensor, params: list[SamplingParams],
     """One token per row of ``logits`` [N, V], drawn where the logits are (no copy to the host, no
     wait for the device): a tensor [N]. ``generators``: each row's own RNG (seeded requests), on
     that device, or None for the device's default one."""
-    # Greedy rows: the argmax of the logits as they are (a bf16 -> fp32 cast is exact and keeps
-    # the order, so the token is the same; at batch 256 the cast would move ~200 MB a step).
-    tokens = logits.argmax(dim=-1)
+    tokens = greedy_tokens(logits)
     sampled_rows = [i for i, p in enumerate(params) if not p.greedy]
     if sampled_rows:
         device = logits.device
@@ -45,6 +45,17 @@ def sample_tokens(logits: torch.Tensor, params: list[SamplingParams],
         for j, i in enumerate(sampled_rows):
             tokens[i] = torch.multinomial(probs[j], 1, generator=generators[i])[0]
     return tokens
+
+
+def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
+    """The argmax of each row of ``logits`` [N, V] as they are (a bf16 -> fp32 cast is exact and
+    keeps the order, so the token is the same; at batch 256 the cast would move ~200 MB a step).
+    On a GPU one Triton launch (kernels/argmax.py: torch's reduction took ~37 µs of an H100's
+    batch-1 step), the index torch gives, ties and NaN included; torch's argmax elsewhere."""
+    if (logits.is_cuda and HAS_TRITON and TRITON_ARGMAX and logits.dim() == 2 and logits.stride(1) == 1
+            and logits.dtype in (torch.float32, torch.float16, torch.bfloat16) and 0 < logits.shape[1] < 2**31):
+        return argmax_rows(logits)
+    return logits.argmax(dim=-1)
 
 
 def probabilities(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
