@@ -19,7 +19,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from kernels import activation, kv_store, matmul, paged_attention, rmsnorm, rotary, skinny, wq_matmul
+from kernels import activation, argmax, kv_store, matmul, paged_attention, rmsnorm, rotary, skinny, wq_matmul
 from kernels.kv_quant import QMAX
 
 TARGET = GPUTarget("cuda", 90, 32)
@@ -187,6 +187,9 @@ def main() -> int:
         ("split-K sum", matmul._split_k_sum_kernel, dict(
             part_ptr="*fp32", b_ptr=P, out_ptr=P, M="i32", N="i32", stride_om="i32", HAS_BIAS=C(False),
             SPLIT_K=C(2), BLOCK=C(matmul.REDUCE_BLOCK)), 4, 3, False),
+        ("argmax", argmax._argmax_kernel, dict(
+            x_ptr=P, out_ptr="*i64", key_ptr="*i64", ticket_ptr="*i32", stride_x="i32", n_cols="i32",
+            BLOCK=C(argmax.ARGMAX_BLOCK), NUM_CHUNKS=C(63)), 4, 3, False),
         ("silu_and_mul", activation._silu_and_mul_kernel, dict(
             x_ptr=P, out_ptr=P, stride_x="i32", stride_o="i32", n_inter="i32", BLOCK=C(1024)), 4, 3, False),
         # before a tiled projection: the next kernel scheduled before the wait (kernels/_triton.py)
