@@ -13,6 +13,12 @@ logprobs? A probe experiment for issue 16, on the answers `kvcascade cascade cal
    the calibration command. Beside it: the draft's ``sum_logprob`` and the stacked confidence
    (router/stacked_confidence.py) on the same halves.
 3. Learning curve of the stacked confidence: 102 held-out tasks, fit on 102 / 204 / 306 of the rest.
+4. ``--picks``: does a pick with a margin transfer to the held-out half better? The calibration
+   command's candidates (routers and stacked confidence included) replayed per task on the
+   calibration half and resampled (400 bootstrap draws); picked: the cheapest setting whose
+   accuracy reaches the target share of the last tier's in at least ``conf`` of the draws, for
+   each ``conf`` in ``--confidences``; reported: its held-out share of the last tier's accuracy and
+   compute, beside the command's own pick (the point estimate).
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from kvcascade import calibrate as cal  # noqa: E402
 from kvcascade.calibrate import stacked_row  # noqa: E402
 from router.stacked_confidence import FEATURES  # noqa: E402
 from router.stacked_confidence import cross_fit as cross_fit_stacked  # noqa: E402
@@ -114,14 +121,72 @@ def probe(x: np.ndarray, y: np.ndarray, calib: list[int], held: list[int], seed:
     return best[0], auroc(y[held], b @ w + bias)
 
 
+def cascade_right(runs: dict, idx: list[int], settings) -> list[bool]:
+    """Per task of ``idx``: whether the cascade with ``settings`` answers it right (as cal.replay)."""
+    tiers, out = runs["tiers"], []
+    for k in idx:
+        for i, tier in enumerate(tiers):
+            ans = tier["answers"][k]
+            if i < len(tiers) - 1 and settings[i].skips(ans):
+                continue
+            if i == len(tiers) - 1 or cal.decide(settings[i], ans["own"], ans["judge"])[0]:
+                out.append(bool(ans["correct"]))
+                break
+    return out
+
+
+def picks(runs_text: str, target: float, seed: int, confidences: list[float], draws: int = 400) -> dict:
+    runs = json.loads(runs_text)  # calibration writes its scores into the answers: a fresh copy a seed
+    n = len(runs["tasks"])
+    order = list(range(n))
+    random.Random(seed).shuffle(order)
+    calib, held = sorted(order[: n // 2]), sorted(order[n // 2:])
+    cal.attach_routes(runs, calib, held, seed)
+    cal.attach_stacked(runs, calib, held, seed)
+    best, points, _ = cal.search(runs, calib, target, 12)
+    last = np.array([runs["tiers"][-1]["answers"][k]["correct"] for k in calib], dtype=np.float32)
+    right = np.array([cascade_right(runs, calib, p["combo"]) for p in points], dtype=np.float32)
+    weights = np.random.default_rng(seed).multinomial(len(calib), np.full(len(calib), 1 / len(calib)),
+                                                      size=draws).astype(np.float32)
+    share = (right @ weights.T) / (last @ weights.T)[None, :]
+    held_last = cal.accuracy(runs, len(runs["tiers"]) - 1, held)
+    out = {"points": len(points)}
+    for conf in [None, *confidences]:
+        if conf is None:
+            pick = best
+        else:
+            ok = np.flatnonzero((share >= target - 1e-6).mean(axis=1) >= conf)
+            pick = min((points[i] for i in ok), key=lambda p: (p["compute"], -p["accuracy"])) if len(ok) \
+                else max(points, key=lambda p: p["accuracy"])
+        got = cal.replay(runs, held, pick["combo"])
+        out["point estimate" if conf is None else f"conf {conf}"] = {
+            "held_out_share": got["accuracy"] / held_last, "held_out_compute": got["compute"],
+            "calibration_compute": pick["compute"], "family": cal.family(pick)}
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--runs", required=True, help="runs.json written by `kvcascade cascade calibrate`")
     ap.add_argument("--hidden", default="/tmp/cascade_hidden.npz", help="hidden states, cached here")
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2, 3])
     ap.add_argument("--out", help="write the results as JSON here")
+    ap.add_argument("--picks", action="store_true", help="step 4 only (the bootstrap picks)")
+    ap.add_argument("--target-quality", type=float, default=0.98)
+    ap.add_argument("--confidences", type=float, nargs="+", default=[0.5, 0.7, 0.8, 0.9])
     args = ap.parse_args()
-    runs = json.loads(Path(args.runs).read_text())
+    text = Path(args.runs).read_text()
+    if args.picks:
+        result = {"runs": args.runs, "target": args.target_quality, "seeds": {}}
+        for seed in args.seeds:
+            got = result["seeds"][seed] = picks(text, args.target_quality, seed, args.confidences)
+            print(f"seed {seed}: " + " | ".join(f"{k}: {v['held_out_share']:.3f} of the last tier held out at "
+                                                 f"{v['held_out_compute']:.2f}x" for k, v in got.items()
+                                                 if k != "points"), flush=True)
+        if args.out:
+            Path(args.out).write_text(json.dumps(result, indent=1))
+        return 0
+    runs = json.loads(text)
     path = Path(args.hidden)
     states = {k: v for k, v in np.load(path).items() if k != "y"} if path.exists() else hidden_states(runs, path)
     tier, prompts = runs["tiers"][0], [t["prompt"] for t in runs["tasks"]]
