@@ -32,7 +32,7 @@ from contracts.models import resolve_model
 from contracts.tokenizers import load_tokenizer
 from worker.engine.config import EngineConfig, SpeculativeConfig
 from worker.engine.model_runner import ModelRunner, StepInputs, kv_bytes_per_block, kv_storage_dtype
-from worker.engine.sampler import draw_seed, probabilities
+from worker.engine.sampler import draw_seed, greedy_tokens, probabilities
 from worker.engine.scheduler import ScheduledSeq
 from worker.engine.sequence import Sequence
 from worker.models.backends import create_attention_backend
@@ -136,7 +136,7 @@ class DraftModelDrafter:
               q: dict[int, list[torch.Tensor]]) -> list[int]:
         """Draft ``j`` of each active item (logits row r: batch item active[r]): the draft's argmax
         (greedy requests) or a draw from its distribution, which goes into ``q``."""
-        tokens = logits.argmax(dim=-1).tolist()
+        tokens = greedy_tokens(logits).tolist()
         for r, i in enumerate(active):
             it = batch[i]
             p = it.seq.params

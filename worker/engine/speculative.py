@@ -38,7 +38,7 @@ import torch
 
 from worker.engine.config import SpeculativeConfig
 from worker.engine.outputs import TokenLogprob
-from worker.engine.sampler import logprob_entries, probabilities, steer
+from worker.engine.sampler import greedy_tokens, logprob_entries, probabilities, steer
 from worker.engine.sampling_params import SamplingParams
 from worker.engine.sequence import Sequence
 
@@ -120,7 +120,7 @@ def verify(logits: torch.Tensor, drafts: list[list[int]], seqs: list[Sequence],
     counts = [len(d) + 1 for d in drafts]
     params: list[SamplingParams] = [p for seq, c in zip(seqs, counts) for p in [seq.params] * c]
     steered = steer(logits, params, [None] * len(params))
-    argmax = steered.argmax(dim=-1).tolist()
+    argmax = greedy_tokens(steered).tolist()
     out: list[list[tuple[int, TokenLogprob | None]]] = []
     row = 0
     for seq, draft, q_seq in zip(seqs, drafts, q):
