@@ -218,7 +218,7 @@ def main() -> int:
         result["splits"][seed] = split
         print(f"seed {seed}: " + ", ".join(f"{k} {v if isinstance(v, float) else v[1]:.3f}"
                                              for k, v in split.items()), flush=True)
-        rest, test = ok[:], None
+        rest = ok[:]
         random.Random(seed).shuffle(rest)
         test, rest = rest[:102], rest[102:]
         for size in (102, 204, 306):
