@@ -71,13 +71,18 @@ def _state(rows: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]
     return held[-1]
 
 
+def fits(logits: torch.Tensor) -> bool:
+    """``argmax_rows`` takes these logits: [N, V] fp32, fp16 or bf16, rows of unit stride, 0 < V < 2^31."""
+    return (logits.dim() == 2 and logits.stride(1) == 1 and 0 < logits.shape[1] < 2**31
+            and logits.dtype in (torch.float32, torch.float16, torch.bfloat16))
+
+
 def argmax_rows(logits: torch.Tensor, block: int | None = None) -> torch.Tensor:
-    """``logits.argmax(dim=-1)`` of a [N, V] float tensor (fp32, fp16 or bf16; rows of unit
-    stride), int64 [N]: the same index as torch, ties to the lowest index and NaN first."""
+    """``logits.argmax(dim=-1)`` of logits that ``fit``, int64 [N]: the same index as torch, ties
+    to the lowest index and NaN first."""
     check_launchable(logits)
-    assert logits.dim() == 2 and logits.stride(1) == 1 and logits.dtype in (torch.float32, torch.float16, torch.bfloat16)
+    assert fits(logits), (logits.shape, logits.stride(), logits.dtype)
     rows, n_cols = logits.shape
-    assert 0 < n_cols < 2**31
     out = torch.empty(rows, dtype=torch.int64, device=logits.device)
     if rows:
         keys, tickets = _state(rows, logits.device)

@@ -13,6 +13,7 @@ import torch
 
 from kernels import HAS_TRITON
 from kernels.argmax import TRITON_ARGMAX, argmax_rows
+from kernels.argmax import fits as argmax_fits
 from worker.engine.outputs import TokenLogprob
 from worker.engine.sampling_params import SamplingParams
 from worker.engine.structured_output import GrammarMask
@@ -52,8 +53,7 @@ def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
     keeps the order, so the token is the same; at batch 256 the cast would move ~200 MB a step).
     On a GPU one Triton launch (kernels/argmax.py: torch's reduction took ~37 µs of an H100's
     batch-1 step), the index torch gives, ties and NaN included; torch's argmax elsewhere."""
-    if (logits.is_cuda and HAS_TRITON and TRITON_ARGMAX and logits.dim() == 2 and logits.stride(1) == 1
-            and logits.dtype in (torch.float32, torch.float16, torch.bfloat16) and 0 < logits.shape[1] < 2**31):
+    if logits.is_cuda and HAS_TRITON and TRITON_ARGMAX and argmax_fits(logits):
         return argmax_rows(logits)
     return logits.argmax(dim=-1)
 
