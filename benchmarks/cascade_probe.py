@@ -122,17 +122,10 @@ def probe(x: np.ndarray, y: np.ndarray, calib: list[int], held: list[int], seed:
 
 
 def cascade_right(runs: dict, idx: list[int], settings) -> list[bool]:
-    """Per task of ``idx``: whether the cascade with ``settings`` answers it right (as cal.replay)."""
-    tiers, out = runs["tiers"], []
-    for k in idx:
-        for i, tier in enumerate(tiers):
-            ans = tier["answers"][k]
-            if i < len(tiers) - 1 and settings[i].skips(ans):
-                continue
-            if i == len(tiers) - 1 or cal.decide(settings[i], ans["own"], ans["judge"])[0]:
-                out.append(bool(ans["correct"]))
-                break
-    return out
+    """Per task of ``idx``: whether the cascade with ``settings`` answers it right."""
+    rights: list[bool] = []
+    cal.replay(runs, idx, settings, rights)
+    return rights
 
 
 def picks(runs_text: str, target: float, seed: int, confidences: list[float], draws: int = 400) -> dict:

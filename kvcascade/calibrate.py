@@ -115,9 +115,10 @@ def _last_alone(runs: dict, idx: Sequence[int]) -> float:
     return sum(_cost(runs["tiers"][-1], k) for k in idx)
 
 
-def replay(runs: dict, idx: Sequence[int], settings: Sequence[Setting]) -> dict:
+def replay(runs: dict, idx: Sequence[int], settings: Sequence[Setting], rights: list[bool] | None = None) -> dict:
     """Accuracy, cost and escalations of the cascade with ``settings`` (one per tier but the last)
-    over the tasks ``idx``; compute is relative to the last tier alone."""
+    over the tasks ``idx``; compute is relative to the last tier alone. ``rights``, if given, gets
+    whether each task of ``idx`` was answered right, in order."""
     tiers = runs["tiers"]
     block = runs.get("block_size", 16)
     right = compute = 0.0
@@ -132,6 +133,8 @@ def replay(runs: dict, idx: Sequence[int], settings: Sequence[Setting]) -> dict:
             compute += _cost(tier, k)
             if i == len(tiers) - 1:
                 right += ans["correct"]
+                if rights is not None:
+                    rights.append(bool(ans["correct"]))
                 break
             accepted, was_judged = decide(settings[i], ans["own"], ans["judge"])
             if was_judged:
@@ -139,6 +142,8 @@ def replay(runs: dict, idx: Sequence[int], settings: Sequence[Setting]) -> dict:
                 compute += 2 * tiers[i + 1]["params"] * (ans["judge_tokens"] + 1)
             if accepted:
                 right += ans["correct"]
+                if rights is not None:
+                    rights.append(bool(ans["correct"]))
                 break
             if was_judged:  # the next tier's prompt blocks are in its prefix cache now
                 nxt = tiers[i + 1]["answers"][k]["prompt_tokens"]
