@@ -539,7 +539,7 @@ def _dequantize_block_k(group: int, k: int) -> int:
 def _dequantize_tiles_kernel(w_ptr, sb_ptr, out_ptr, N, stride_wn, stride_sn, stride_on, TPG: tl.constexpr,
                              BITS: tl.constexpr, BLOCK_N: tl.constexpr, USE_PDL: tl.constexpr):
     """One [BLOCK_N, 128] tile of W = q s + b from kernels/wq_gluon.py's tiled form (TiledWeight),
-    (s, b) packed in one int32 a group (TPG tiles a group). int4: a row's 16 words of the tile, word
+    (s, b) packed in one int32 a group (TPG tiles a group; int8: s alone, one int16). int4: a row's 16 words of the tile, word
     4 c + i's nibble s + 4 e holding column 32 i + 8 s + 2 c + e (INT4_TILE_ORDER); int8: 32 words,
     word 8 c + j's bytes (u = q + 128) columns 16 j + 2 c + (0, 8, 1, 9) (INT8_TILE_ORDER).
     Computed in float32, q s + b, as QuantizedWeight.dequantize."""
@@ -547,9 +547,9 @@ def _dequantize_tiles_kernel(w_ptr, sb_ptr, out_ptr, N, stride_wn, stride_sn, st
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rows = tl.minimum(offs_n, N - 1).to(tl.int64)  # rows past N read row N - 1 (never stored)
     tile = tl.program_id(1)
-    sb = tl.load(sb_ptr + rows * stride_sn + tile // TPG)
+    sb = tl.load(sb_ptr + rows * stride_sn + tile // TPG).to(tl.int32)
     s = (sb << 16).to(tl.float32, bitcast=True)[:, None, None]
-    b = (sb & -65536).to(tl.float32, bitcast=True)[:, None, None]
+    b = (sb & -65536).to(tl.float32, bitcast=True)[:, None, None] if BITS == 4 else 0.0
     four = tl.arange(0, 4)
     if BITS == 8:
         eight = tl.arange(0, 8)

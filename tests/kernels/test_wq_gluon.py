@@ -60,6 +60,10 @@ def test_int8_repacked_words_hold_the_same_weight_and_the_unpacking_is_exact():
     w.qweight[0, :4] = torch.tensor([-127, 127, 0, -1], dtype=torch.int8)  # the ends of the range
     tiles = wq_gluon.tile_weight(w)
     assert tiles.bits == 8 and tiles.words.shape == (16, 64) and tiles.shape == w.shape
+    # a group's scale is its bf16 bits alone: 2 bytes a group (int4's int32 holds s and b)
+    assert tiles.sb.dtype == torch.int16 and tiles.sb.shape == (16, 2)
+    assert torch.equal(tiles.sb.view(torch.bfloat16), w.scales)
+    assert tiles.nbytes() == 16 * 256 + 16 * 2 * 2
     torch.testing.assert_close(tiles.dequantize(), w.dequantize(), rtol=0, atol=0)
     assert sorted(wq_gluon.INT8_TILE_ORDER.tolist()) == list(range(128))
     words = tiles.words[:, :32].long() & 0xFFFFFFFF  # the first tile
@@ -90,6 +94,10 @@ def test_pack_scales_puts_s_low_and_b_high():
     sb = wq_gluon.pack_scales(s, b)
     assert torch.equal((sb << 16).view(torch.float32), s.float())
     assert torch.equal((sb & -65536).view(torch.float32), b.float())
+    assert all(torch.equal(got, want.float()) for got, want in zip(wq_gluon.unpack_sb(sb), (s, b)))
+    # int8's: s alone, negative ones too (the int16's sign must not leak into a bias)
+    got_s, got_b = wq_gluon.unpack_sb(wq_gluon.pack_scales8(s))
+    assert torch.equal(got_s, s.float()) and not got_b.any()
 
 
 def test_routing_takes_the_kernel_only_where_it_can_run(monkeypatch):
@@ -139,7 +147,7 @@ def test_prepare_tiles_the_weight_only_where_the_kernel_runs(monkeypatch):
     torch.testing.assert_close(tiles.dequantize(), w.dequantize(), rtol=0, atol=0)
     assert wq_matmul.prepare(_weight(k=256, group=64)) is None  # a tile in one group
     tiles8 = wq_matmul.prepare(_weight(k=256, bits=8))
-    assert isinstance(tiles8, wq_gluon.TiledWeight) and tiles8.bits == 8 and tiles8.nbytes() == 32 * 256 + 32 * 2 * 4
+    assert isinstance(tiles8, wq_gluon.TiledWeight) and tiles8.bits == 8 and tiles8.nbytes() == 32 * 256 + 32 * 2 * 2  # s alone, bf16
     assert wq_matmul.prepare(_weight(k=128)) is None  # one tile: the loop takes two an iteration
     # a tiled weight's paths: the kernel from 1 row, dequantize + cuBLAS above its rows or for another dtype
     _, hi = wq_matmul.GLUON_ROWS[4]
@@ -431,7 +439,7 @@ for bits, bn, warps, bm, stages, split, ws, *act in (
     xl = gl.NVMMASharedLayout.get_default_for([bm, 128], gl.bfloat16)
     wl = gl.NVMMASharedLayout.get_default_for([bn, wpt], gl.int32)
     sig = {"x_desc": f"tensordesc<bf16[{bm}, 128],{xl!r}>", "w_desc": f"tensordesc<i32[{bn}, {wpt}],{wl!r}>",
-           "sb_ptr": "*i32", "bias_ptr": "*bf16", "out_ptr": "*bf16", "ws_ptr": "*fp32", "cnt_ptr": "*i32",
+           "sb_ptr": "*i16" if bits == 8 else "*i32", "bias_ptr": "*bf16", "out_ptr": "*bf16", "ws_ptr": "*fp32", "cnt_ptr": "*i32",
            "act_ptr": "*bf16", "M": "i32", "N": "i32", "K": "i32", "stride_sb": "i32", "stride_om": "i32"}
     nc, ws = (ws, True) if ws == 2 else (1, ws)  # ws 2: the warp-specialized kernel with two consumers
     cst = dict(GROUP=128, HAS_BIAS=False, BLOCK_N=bn, BLOCK_M=bm, STAGES=stages, SPLIT_K=split, num_warps=warps,
