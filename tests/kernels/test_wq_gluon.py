@@ -147,7 +147,8 @@ def test_prepare_tiles_the_weight_only_where_the_kernel_runs(monkeypatch):
     torch.testing.assert_close(tiles.dequantize(), w.dequantize(), rtol=0, atol=0)
     assert wq_matmul.prepare(_weight(k=256, group=64)) is None  # a tile in one group
     tiles8 = wq_matmul.prepare(_weight(k=256, bits=8))
-    assert isinstance(tiles8, wq_gluon.TiledWeight) and tiles8.bits == 8 and tiles8.nbytes() == 32 * 256 + 32 * 2 * 2  # s alone, bf16
+    assert isinstance(tiles8, wq_gluon.TiledWeight) and tiles8.bits == 8
+    assert tiles8.nbytes() == 32 * 256 + 32 * 2 * 2  # s alone, bf16: the natural form's bytes
     assert wq_matmul.prepare(_weight(k=128)) is None  # one tile: the loop takes two an iteration
     # a tiled weight's paths: the kernel from 1 row, dequantize + cuBLAS above its rows or for another dtype
     _, hi = wq_matmul.GLUON_ROWS[4]
@@ -439,8 +440,8 @@ for bits, bn, warps, bm, stages, split, ws, *act in (
     xl = gl.NVMMASharedLayout.get_default_for([bm, 128], gl.bfloat16)
     wl = gl.NVMMASharedLayout.get_default_for([bn, wpt], gl.int32)
     sig = {"x_desc": f"tensordesc<bf16[{bm}, 128],{xl!r}>", "w_desc": f"tensordesc<i32[{bn}, {wpt}],{wl!r}>",
-           "sb_ptr": "*i16" if bits == 8 else "*i32", "bias_ptr": "*bf16", "out_ptr": "*bf16", "ws_ptr": "*fp32", "cnt_ptr": "*i32",
-           "act_ptr": "*bf16", "M": "i32", "N": "i32", "K": "i32", "stride_sb": "i32", "stride_om": "i32"}
+           "sb_ptr": "*i16" if bits == 8 else "*i32", "bias_ptr": "*bf16", "out_ptr": "*bf16", "ws_ptr": "*fp32",
+           "cnt_ptr": "*i32", "act_ptr": "*bf16", "M": "i32", "N": "i32", "K": "i32", "stride_sb": "i32", "stride_om": "i32"}
     nc, ws = (ws, True) if ws == 2 else (1, ws)  # ws 2: the warp-specialized kernel with two consumers
     cst = dict(GROUP=128, HAS_BIAS=False, BLOCK_N=bn, BLOCK_M=bm, STAGES=stages, SPLIT_K=split, num_warps=warps,
                INFLIGHT=1, USE_PDL=True, BITS=bits, LATE_LAUNCH=bits == 8, ACT=act, **({"NC": nc} if nc > 1 else {}))
