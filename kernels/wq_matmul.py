@@ -540,8 +540,9 @@ def _dequantize_tiles_kernel(w_ptr, sb_ptr, out_ptr, N, stride_wn, stride_sn, st
                              BITS: tl.constexpr, BLOCK_N: tl.constexpr, USE_PDL: tl.constexpr):
     """One [BLOCK_N, 128] tile of W = q s + b from kernels/wq_gluon.py's tiled form (TiledWeight),
     (s, b) packed in one int32 a group (TPG tiles a group; int8: s alone, one int16). int4: a row's
-    16 words of the tile, word 4 c + i's nibble s + 4 e holding column 32 i + 8 s + 2 c + e (INT4_TILE_ORDER); int8: 32 words,
-    word 8 c + j's bytes (u = q + 128) columns 16 j + 2 c + (0, 8, 1, 9) (INT8_TILE_ORDER).
+    16 words of the tile, word 4 c + i's nibble s + 4 e holding column 32 i + 8 s + 2 c + e
+    (INT4_TILE_ORDER); int8: 32 words, word 8 c + j's bytes (u = q + 128) columns 16 j + 2 c +
+    (0, 8, 1, 9) (INT8_TILE_ORDER).
     Computed in float32, q s + b, as QuantizedWeight.dequantize."""
     wait_for_producer(USE_PDL)
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
