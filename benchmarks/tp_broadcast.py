@@ -101,7 +101,7 @@ def main() -> None:
     args = ap.parse_args()
     shapes = {f"decode {b} x {args.context}": decode_step(b, args.context) for b in args.batches}
     shapes[f"prefill {args.prefill}"] = prefill_step(args.prefill)
-    from worker.distributed.ranks import free_port
+    from contracts.ports import free_port
 
     mp.spawn(worker, args=(free_port(), shapes, args.chunks, args.iters, args.out), nprocs=2)
     rows = json.loads(Path(args.out).read_text())

@@ -6,6 +6,7 @@ other and the command-line package (kvcascade/) only assembles and starts.
     redis_state.py   their Redis implementation (several routers and workers)
     stores.py        picks one of the two for a deployment (connect_state)
     grpc_server.py   the grpc.aio server both a worker and a router run (health, reflection)
+    ports.py         free ports for servers told theirs before they start (tests, local processes, TP ranks)
     models.py        the model catalog: built-in names, GGUF files, safetensors folders, dummy presets
     tokenizers.py    a model's tokenizer (transformers, no torch): what the router hashes and the worker runs
 

@@ -102,7 +102,12 @@ class GrpcServer:
         return f"{host}:{self.port}"
 
     async def start(self) -> None:
-        options = [] if self.max_message_bytes is None else [("grpc.max_receive_message_length", self.max_message_bytes)]
+        # No SO_REUSEPORT (gRPC's default sets it): a port another server holds is an error here,
+        # not one the kernel quietly splits connections over (a second worker on 50051, or the HTTP
+        # processes of --http-workers, which share theirs with SO_REUSEPORT).
+        options = [("grpc.so_reuseport", 0)]
+        if self.max_message_bytes is not None:
+            options.append(("grpc.max_receive_message_length", self.max_message_bytes))
         server = grpc.aio.server(options=options)
         _add_servicer(self.servicer, server)
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)

@@ -55,7 +55,7 @@ class RayRanks:
     stop; launch.Watchdog polls dead_rank)."""
 
     def __init__(self, config: EngineConfig, pg):
-        from worker.distributed.ranks import free_port
+        from contracts.ports import free_port
 
         self.config, self.pg = config, pg
         # The bundles are packed on this node: the ranks meet on loopback.

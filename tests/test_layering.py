@@ -24,7 +24,7 @@ ALLOWED = {
     "worker": {"contracts", "protos", "kernels"},
     "router": {"contracts", "protos"},
     "loadtest": {"protos"},
-    "deploy": {"protos"},  # local processes for tests and benchmarks, cluster checks
+    "deploy": {"contracts", "protos"},  # local processes for tests and benchmarks, cluster checks
     "kvcascade": {"deploy", "contracts", "router", "worker", "protos", "kernels", "loadtest"},
 }
 

@@ -298,7 +298,7 @@ def test_the_step_broadcast_carries_small_and_large_steps_whole():
     import torch.distributed as dist
 
     from worker.distributed.group import FIRST_CHUNK, init_tp, leave_tp
-    from worker.distributed.ranks import free_port
+    from contracts.ports import free_port
     from worker.engine.model_runner import PromptRows, StepInputs
 
     big = list(range(3 * FIRST_CHUNK))  # pickles past the first chunk
@@ -398,7 +398,7 @@ def test_leaving_does_not_wait_for_a_rank_that_never_comes():
     import torch.distributed as dist
 
     from worker.distributed.group import get_tp, init_tp, leave_tp
-    from worker.distributed.ranks import free_port
+    from contracts.ports import free_port
 
     init = f"tcp://127.0.0.1:{free_port()}"
     code = ("import time, sys; from worker.distributed.group import init_tp; "

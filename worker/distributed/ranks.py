@@ -23,22 +23,16 @@ import json
 import logging
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
 import time
 from collections.abc import Callable
 
+from contracts.ports import free_port
 from worker.engine.config import EngineConfig
 
 log = logging.getLogger(__name__)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def local_rank_config(config: EngineConfig, rank: int) -> EngineConfig:
