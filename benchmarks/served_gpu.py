@@ -40,6 +40,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from contracts.ports import free_port  # noqa: E402
+
 # The engine settings of gpu_engine.py's (b), for every path.
 ENGINE = dict(model="dummy:llama-3.1-8b", device="cuda", dtype="bfloat16", max_model_len=4096,
               max_num_batched_tokens=8192, max_num_seqs=256, max_queued_requests=4096)
@@ -292,12 +294,6 @@ def drive(target: str, protocol: str, work, when: list[float], processes: int, s
     for spy in spies:
         spy.wait()
     return res
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def start(cmd: list[str], log: Path, ready_port: int, timeout: float = 600) -> subprocess.Popen:

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import inspect
 import shutil
-import socket
 import subprocess
 import time
 from pathlib import Path
@@ -16,15 +15,10 @@ from pathlib import Path
 import pytest
 import redis
 
+from contracts.ports import free_port
 from router.event_loop import run
 
 REDIS_SERVER = shutil.which("redis-server")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class RedisServer:

@@ -297,8 +297,8 @@ def test_the_step_broadcast_carries_small_and_large_steps_whole():
 
     import torch.distributed as dist
 
-    from worker.distributed.group import FIRST_CHUNK, init_tp, leave_tp
     from contracts.ports import free_port
+    from worker.distributed.group import FIRST_CHUNK, init_tp, leave_tp
     from worker.engine.model_runner import PromptRows, StepInputs
 
     big = list(range(3 * FIRST_CHUNK))  # pickles past the first chunk
@@ -397,8 +397,8 @@ def test_leaving_does_not_wait_for_a_rank_that_never_comes():
 
     import torch.distributed as dist
 
-    from worker.distributed.group import get_tp, init_tp, leave_tp
     from contracts.ports import free_port
+    from worker.distributed.group import get_tp, init_tp, leave_tp
 
     init = f"tcp://127.0.0.1:{free_port()}"
     code = ("import time, sys; from worker.distributed.group import init_tp; "
