@@ -360,6 +360,9 @@ def run_engine(quantization: str, args) -> dict:
             print(f"  {row['us_a_step']:9.1f} {row['calls_a_step']:6.1f}x  {row['kernel'][:90]}", flush=True)
     for b, ms in res["decode_ms"].items():
         print(f"{quantization}: batch {b}: {ms:.3f} ms a step (weights' floor {res['floor_ms']:.3f} ms)", flush=True)
+    if args.skip_b:
+        res["b"] = {"tok_s": float("nan")}
+        return res
     work = workload_b()
     brng = random.Random(1)
     prompts = [random_prompt(brng, p, cfg.vocab_size) for p, _ in work]
@@ -404,6 +407,7 @@ def main() -> None:
     ap.add_argument("--gemv-tl-load", action="store_true",
                     help="decode part: the GEMV's scales and x by tl.load, not inline asm (A/B of GEMV_ASM)")
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 16, 64])
+    ap.add_argument("--skip-b", action="store_true", help="engine part: the decode steps only, not workload (b)")
     ap.add_argument("--profile-batch", type=int, default=0, metavar="B",
                     help="engine part: the GPU kernels of 10 decode steps at batch B (torch.profiler)")
     ap.add_argument("--kernel-rows", type=int, nargs="+", default=[1, 8, 16, 64, 512])
@@ -451,6 +455,7 @@ def main() -> None:
                 if args.swap_max_rows:
                     cmd += ["--swap-max-rows", *args.swap_max_rows]
                 cmd += ["--no-gluon"] if args.no_gluon else []
+                cmd += ["--skip-b"] if args.skip_b else []
                 cmd += ["--gluon-rows", args.gluon_rows] if args.gluon_rows else []
                 if subprocess.run(cmd).returncode == 0:  # a config listed again (a restart) as q#2
                     again = sum(name.split("#")[0] == q for name in res["engine"])
