@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import random
+import math
 import sys
 import time
 from pathlib import Path
@@ -35,6 +35,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from kvcascade import calibrate as cal  # noqa: E402
+from kvcascade.calibration_report import auroc  # noqa: E402
 from loadtest.tasks import normalise  # noqa: E402
 
 
@@ -109,13 +110,6 @@ def replay(runs: dict, idx: list[int], score: list[float | None], t: float, r: f
             "last_tier_share": reached / len(idx)}
 
 
-def auroc(score: list[float | None], right: list[bool]) -> float:
-    pos = [s for s, y in zip(score, right) if y and s is not None]
-    neg = [s for s, y in zip(score, right) if not y and s is not None]
-    wins = sum((p > n) + 0.5 * (p == n) for p in pos for n in neg)
-    return wins / max(1, len(pos) * len(neg))
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--runs", required=True, help="runs.json of `kvcascade cascade calibrate`")
@@ -137,15 +131,13 @@ def main() -> int:
         if args.cache:
             args.cache.write_text(json.dumps(samples))
     n = len(runs["tasks"])
-    order = list(range(n))
-    random.Random(args.seed).shuffle(order)
-    cut = round(n * 0.5)
-    calib, held = sorted(order[:cut]), sorted(order[cut:])
+    calib, held = cal.halves(n, 0.5, args.seed)
     cal.attach_routes(runs, calib, held, args.seed)
     extra = sample_tokens(runs, samples, args.fork)
     right = [bool(a["correct"]) for a in runs["tiers"][0]["answers"]]
     large_right = [bool(a["correct"]) for a in runs["tiers"][1]["answers"]]
-    result = {"runs": str(args.runs), "samples": args.samples, "fork": args.fork, "temperature": args.temperature, "target": args.target,
+    result = {"runs": str(args.runs), "samples": args.samples, "fork": args.fork, "temperature": args.temperature,
+              "target": args.target,
               "small_accuracy_held": sum(right[k] for k in held) / len(held),
               "large_accuracy_held": sum(large_right[k] for k in held) / len(held),
               "sample_compute_held": sum(2 * runs["tiers"][0]["params"] * extra[k] for k in held)
@@ -153,19 +145,19 @@ def main() -> int:
               "oracle": cal.oracle(runs, held), "scores": {}}
     routes = sorted({runs["tiers"][0]["answers"][k]["route"] for k in calib})
     route_grid = [None] + [routes[round(q * (len(routes) - 1) / 23)] for q in range(1, 24)]
+    goal = args.target * sum(large_right[k] for k in calib) / len(calib) - 1e-12
+    large_held = result["large_accuracy_held"]
     for name, score in scores(runs, samples).items():
         cost = None if name == "sum_logprob" else extra
         values = sorted({score[k] for k in range(n) if score[k] is not None}) + [float("inf")]
         grid = [(t, r) for t in values for r in route_grid]
-        goal = args.target * sum(large_right[k] for k in calib) / len(calib) - 1e-12
-        picked = None
+        held_scores = [-math.inf if score[k] is None else score[k] for k in held]  # no score: least sure
         for route in (False, True):
             pts = [(replay(runs, calib, score, t, r, cost), t, r) for t, r in grid if (r is not None) == route]
             ok = [p for p in pts if p[0]["accuracy"] >= goal]
             best = min(ok, key=lambda p: (p[0]["compute"], -p[0]["accuracy"])) if ok else \
                 max(pts, key=lambda p: p[0]["accuracy"])
             held_pts = [replay(runs, held, score, t, r, cost) for _, t, r in pts]
-            large_held = result["large_accuracy_held"]
             frontier = {}
             for share in (0.85, 0.90, 0.95, 0.98, 1.00):
                 reach = [p for p in held_pts if p["accuracy"] >= share * large_held - 1e-12]
@@ -173,8 +165,9 @@ def main() -> int:
             key = f"{name}{' + route' if route else ''}"
             picked = {"threshold": best[1], "route_threshold": best[2], "calibration": best[0],
                       "held_out": replay(runs, held, score, best[1], best[2], cost)}
-            result["scores"][key] = {"auroc_held": auroc([score[k] for k in held], [right[k] for k in held]),
-                                     "auroc_all": auroc(score, right), "picked": picked, "frontier_held": frontier}
+            result["scores"][key] = {"auroc_held": auroc(held_scores, [right[k] for k in held]),
+                                     "auroc_all": auroc([-math.inf if v is None else v for v in score], right),
+                                     "picked": picked, "frontier_held": frontier}
             h = picked["held_out"]
             print(f"{key:<22} AUROC held {result['scores'][key]['auroc_held']:.3f}  picked for {args.target}: "
                   f"held-out {h['accuracy']:.3f} ({h['accuracy'] / large_held:.0%} of large), large generates "

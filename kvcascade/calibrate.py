@@ -306,10 +306,7 @@ def calibrate(runs: dict, target: float, split: float, seed: int, grid: int, rou
     result's ``routers``); ``stacked``: with the stacked confidence as an own measure (its models in
     ``stacked``); ``only``: pick from that family alone (UnknownFamily naming them if there is none)."""
     n = len(runs["tasks"])
-    order = list(range(n))
-    random.Random(seed).shuffle(order)
-    cut = max(1, min(n - 1, round(n * split)))
-    calib, held = sorted(order[:cut]), sorted(order[cut:])
+    calib, held = halves(n, split, seed)
     routers = attach_routes(runs, calib, held, seed) if route else []
     models = attach_stacked(runs, calib, held, seed) if stacked else []
     best, points, goal = search(runs, calib, target, grid)
@@ -341,6 +338,14 @@ def calibrate(runs: dict, target: float, split: float, seed: int, grid: int, rou
         "stacked": [m.to_json() for m in models],
         "auroc": {"calibration": separation(runs, calib), "held_out": separation(runs, held)},
     }
+
+
+def halves(n: int, split: float, seed: int) -> tuple[list[int], list[int]]:
+    """The seeded calibration and held-out task indices (a ``split`` share calibrates, each side non-empty)."""
+    order = list(range(n))
+    random.Random(seed).shuffle(order)
+    cut = max(1, min(n - 1, round(n * split)))
+    return sorted(order[:cut]), sorted(order[cut:])
 
 
 def _strip(point: dict) -> dict:
