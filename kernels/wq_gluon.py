@@ -23,10 +23,12 @@ bf16 s low, b high).
 int8 (W8A16) takes the same kernel with BITS 8: 32 words a row's tile, a thread's 8 words
 8c..8c + 7 (one a 16-column step j), word 8c + j holding columns 16 j + 2c, 16 j + 2c + 8,
 16 j + 2c + 1, 16 j + 2c + 9 in its bytes 0..3 (``INT8_TILE_ORDER``), each as u = q + 128. A byte
-pair (0, 2) becomes the bf16x2 pair q s in 6 instructions (``_UNPACK8``): its high nibbles (w >> 1
-& 0x00780078 | bf16 256.0) are 256 + 16 h, its low ones (w & 0x000F000F | bf16 128.0) 128 + l;
-(256 + 16 h - 512) + (128 + l) = u - 128 = q exactly (every integer below 256 is a bf16), times s
-rounded once; bytes (1, 3) the same from w >> 8: 13 instructions a word of 4 weights. No bias, so
+pair (0, 2) becomes the bf16x2 pair q s in 4 instructions (``_UNPACK8``): its low 7 bits ORed into
+bf16 128.0's mantissa (w & 0x007F007F | 0x43004300, one LOP3) are 128 + (u & 127), and its top bit,
+inverted, into the exponent's lowest bit (~w & 0x00800080 | 0x43004300, one LOP3) is 128.0 where
+u >= 128 and 256.0 below; their difference is u - 128 = q exactly (every integer up to 256 is a
+bf16), times s rounded once; bytes (1, 3) the same from w >> 8: 9 instructions a word of 4 weights
+(13 with the nibble pairs before, 2026-11-28; the same bits out). No bias, so
 a group's scale is its bf16 bits alone, one int16 (``pack_scales8``): 2 bytes a group of 128
 weights, not an int32 whose high half is always zero (1.6% of int8's bytes a step, not 3.1%).
 
@@ -209,11 +211,12 @@ if HAS_GLUON:
         + f"0x000F000F, 0x43004300, 0xEA; sub.rn.bf16x2 t, t, m; fma.rn.bf16x2 ${i}, t, $5, $6; " for i in range(4))
         + "}")
     # an int8 word's 4 bytes (u = q + 128) -> 2 bf16x2 registers (q s): $0 bytes (0, 2), $1 bytes
-    # (1, 3), from the word $2 and (s, s) $3 (module docstring)
-    _UNPACK8 = gl.constexpr("{ .reg .b32 t, h, l, m; mov.b32 m, 0x44004400; " + "".join(
-        f"shr.u32 t, $2, {8 * i + 1}; lop3.b32 h, t, 0x00780078, 0x43804380, 0xEA; "
-        + ("lop3.b32 l, $2, " if i == 0 else "shr.u32 t, $2, 8; lop3.b32 l, t, ")
-        + f"0x000F000F, 0x43004300, 0xEA; sub.rn.bf16x2 h, h, m; add.rn.bf16x2 h, h, l; mul.rn.bf16x2 ${i}, h, $3; "
+    # (1, 3), from the word $2 and (s, s) $3 (module docstring); LOP3 0xEA: (a & b) | c, 0xAE: (~a & b) | c
+    _UNPACK8 = gl.constexpr("{ .reg .b32 t, a, b; " + "".join(
+        ("" if i == 0 else "shr.u32 t, $2, 8; ")
+        + f"lop3.b32 a, {'$2' if i == 0 else 't'}, 0x007F007F, 0x43004300, 0xEA; "  # 128 + (u & 127)
+        + f"lop3.b32 b, {'$2' if i == 0 else 't'}, 0x00800080, 0x43004300, 0xAE; "  # u < 128 ? 256 : 128
+        + f"sub.rn.bf16x2 a, a, b; mul.rn.bf16x2 ${i}, a, $3; "
         for i in range(2)) + "}")
 
     @gluon.constexpr_function

@@ -53,11 +53,13 @@ def test_the_kernels_tile_is_the_weight_in_natural_column_order():
 
 def test_int8_repacked_words_hold_the_same_weight_and_the_unpacking_is_exact():
     """int8's tiles: the words dequantize to the weight exactly, and what _UNPACK8 computes, in
-    torch (a byte pair's high nibbles into bf16 256.0's mantissa, its low ones into 128.0's, less
-    512, plus, times s, each step in bf16), joined, permuted and reshaped as _unpack_tile does, is
-    the dequantized weight's tile in natural column order."""
+    torch (a byte pair's low 7 bits into bf16 128.0's mantissa, its inverted top bit into the
+    exponent's lowest bit: 128.0 or 256.0, the difference, times s, each step in bf16), joined,
+    permuted and reshaped as _unpack_tile does, is the dequantized weight's tile in natural column
+    order."""
     w = _weight(n=16, k=256, bits=8)
     w.qweight[0, :4] = torch.tensor([-127, 127, 0, -1], dtype=torch.int8)  # the ends of the range
+    w.qweight[1, :2] = torch.tensor([-128, 1], dtype=torch.int8)
     tiles = wq_gluon.tile_weight(w)
     assert tiles.bits == 8 and tiles.words.shape == (16, 64) and tiles.shape == w.shape
     # a group's scale is its bf16 bits alone: 2 bytes a group (int4's int32 holds s and b)
@@ -69,17 +71,16 @@ def test_int8_repacked_words_hold_the_same_weight_and_the_unpacking_is_exact():
     words = tiles.words[:, :32].long() & 0xFFFFFFFF  # the first tile
     s = w.scales[:, :1].float().double()
 
+    def bf16(bits):  # 16-bit patterns -> their bf16 values
+        return (bits - ((bits & 0x8000) << 1)).to(torch.int16).view(torch.bfloat16)
+
     def pair(v):  # (w >> shift)'s bytes 0 and 2 -> q s as bf16, per _UNPACK8
-        hi = (((v >> 1) & 0x00780078) >> 3).double()  # h at bits 3..6 of each half: 256 + 16 h
-        lo = (v & 0x000F000F).double()
-        h0, h2 = (hi.long() & 0xF), (hi.long() >> 16)
-        l0, l2 = (lo.long() & 0xF), (lo.long() >> 16)
+        a = (v & 0x007F007F) | 0x43004300  # lop3 0xEA: 128 + (u & 127) in each half
+        b = (~v & 0x00800080) | 0x43004300  # lop3 0xAE: 256 where u < 128, else 128
         out = []
-        for h, l in ((h0, l0), (h2, l2)):
-            a_hi = (256 + 16 * h).double().bfloat16()
-            a_lo = (128 + l).double().bfloat16()
-            q = ((a_hi.double() - 512).bfloat16().double() + a_lo.double()).bfloat16()
-            out.append((q.double() * s).bfloat16())
+        for half in (0, 16):
+            q = bf16((a >> half) & 0xFFFF) - bf16((b >> half) & 0xFFFF)  # sub.rn.bf16x2: exact
+            out.append((q.double() * s).bfloat16())  # mul.rn.bf16x2: rounded once
         return out  # (e = 0, e = 1)
 
     r0 = pair(words)
