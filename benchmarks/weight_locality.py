@@ -10,9 +10,14 @@ same bytes with no arithmetic, one program per 64 rows as the kernels' grid has 
 - ``tile-major``: the same tiles stored one after another, each 64 W contiguous bytes.
 
     python benchmarks/weight_locality.py [--n 28672] [--k-bytes 4096] [--out results.json]
+    python benchmarks/weight_locality.py --grid-sweep [--k-bytes 8192]   # 16-128 rows a program, K split 1-4
+    python benchmarks/weight_locality.py --graph-sizes                   # each 8B projection's int8 bytes
 
-Prints GB/s of each (median of triton.testing.do_bench, its L2 flush between runs) against the
-copy rate of a plain torch copy of the same buffer (read + write).
+The first two print GB/s from triton.testing.do_bench (its L2 flush between runs; its time includes
+the launch, so only their comparisons count: gate_up's 117 MB reads at ~0.77 of the copy rate in
+every order there); ``--graph-sizes`` times the stream as quant_gpu.py --parts decode times the
+kernels (CUDA graphs over copies that miss the L2), the ceiling a 1-row projection kernel could
+reach (docs/BENCHMARKS.md, 2026-11-28: 28.7 µs for gate_up's int8 bytes, 4.09 TB/s).
 """
 
 from __future__ import annotations
