@@ -35,6 +35,8 @@ import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 from triton.tools.tensor_descriptor import TensorDescriptor  # noqa: E402
 
+from kernels.wq_gluon_tune import graph_us  # noqa: E402 (the kernels' own timing: back to back from a CUDA graph)
+
 
 @triton.jit
 def _stream_tma(desc, out_ptr, T, ROWS: tl.constexpr, COLS: tl.constexpr, TILE_MAJOR: tl.constexpr,
@@ -67,30 +69,6 @@ def _stream_ptr(w_ptr, out_ptr, T, stride, ROWS: tl.constexpr, COLS: tl.constexp
     tl.store(out_ptr + p, tl.sum(acc))
 
 
-def graph_us(launch, copies: int, reps: int = 5) -> float:
-    """Median µs a launch of ``launch(i)`` (i: which copy of the weight) in a CUDA graph of 4 rounds
-    over ``copies`` copies."""
-    stream = torch.cuda.Stream()
-    with torch.cuda.stream(stream):
-        for i in range(copies):
-            launch(i)  # compile and warm
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, stream=stream):
-        for r in range(4):
-            for i in range(copies):
-                launch(i)
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / (4 * copies))
-    return sorted(times)[len(times) // 2]
-
-
 def graph_sizes() -> list[dict]:
     """The plain stream (row-major TMA, 64 rows a program, 128-byte runs, 4 stages, K split 1, 2 or 4:
     the best) of each Llama-3.1-8B projection's int8 bytes (and gate_up's bf16 bytes), in CUDA
@@ -108,8 +86,9 @@ def graph_sizes() -> list[dict]:
         best = None
         for split in (1, 2, 4):
             g = (n // r, split)
-            us = graph_us(lambda i: _stream_tma[g](descs[i], out, words // cols, ROWS=r, COLS=cols, TILE_MAJOR=False,
-                                                   STAGES=4, SPLIT=split, num_warps=4), copies)
+            us = graph_us([lambda i=i: _stream_tma[g](descs[i], out, words // cols, ROWS=r, COLS=cols,
+                                                      TILE_MAJOR=False, STAGES=4, SPLIT=split, num_warps=4)
+                           for i in range(copies)])
             print(f"{name:13s} {nbytes / 1e6:6.1f} MB split {split}: {us:6.1f} us {nbytes / us / 1e3:6.0f} GB/s")
             if best is None or us < best["us"]:
                 best = {"projection": name, "bytes": nbytes, "split": split, "us": us, "gbs": nbytes / us / 1e3}
