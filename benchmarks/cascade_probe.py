@@ -130,10 +130,7 @@ def cascade_right(runs: dict, idx: list[int], settings) -> list[bool]:
 
 def picks(runs_text: str, target: float, seed: int, confidences: list[float], draws: int = 400) -> dict:
     runs = json.loads(runs_text)  # calibration writes its scores into the answers: a fresh copy a seed
-    n = len(runs["tasks"])
-    order = list(range(n))
-    random.Random(seed).shuffle(order)
-    calib, held = sorted(order[: n // 2]), sorted(order[n // 2:])
+    calib, held = cal.halves(len(runs["tasks"]), 0.5, seed)
     cal.attach_routes(runs, calib, held, seed)
     cal.attach_stacked(runs, calib, held, seed)
     best, points, _ = cal.search(runs, calib, target, 12)
@@ -190,9 +187,7 @@ def main() -> int:
     n = len(y)
     result: dict = {"runs": args.runs, "tasks": n, "right": int(y.sum()), "splits": {}, "learning_curve": {}}
     for seed in args.seeds:
-        order = list(range(n))
-        random.Random(seed).shuffle(order)
-        calib, held = sorted(order[: n // 2]), sorted(order[n // 2:])
+        calib, held = cal.halves(n, 0.5, seed)
         calib_ok, held_ok = [k for k in calib if k in ok], [k for k in held if k in ok]
         _, model = cross_fit_stacked([prompts[k] for k in calib_ok], [rows[k] for k in calib_ok],
                                      [bool(y[k]) for k in calib_ok], seed=seed)
