@@ -123,28 +123,28 @@ def _cheapest_threshold(runs: dict, idx: list[int], direct: frozenset[str], goal
     return rest[i][0] if i < len(rest) else float("inf")
 
 
-def best_kinds_sum(runs: dict, idx: list[int], target: float) -> dict | None:
-    """The cheapest (kinds, threshold) reaching ``target`` of the last tier's accuracy on ``idx``."""
+def _kind_sets(runs: dict):
+    """Every set of task kinds (the empty one first) that could be sent straight to the last tier."""
     kinds = sorted({t["kind"] for t in runs["tasks"]})
-    goal = target * cal.accuracy(runs, 1, idx) * len(idx)
-    best = None
     for n in range(len(kinds) + 1):
         for direct in itertools.combinations(kinds, n):
-            t = _cheapest_threshold(runs, idx, frozenset(direct), goal)
-            if t is None:
-                continue
-            point = kinds_sum(runs, idx, frozenset(direct), t)
-            if best is None or point["compute"] < best["compute"]:
-                best = point
-    return best
+            yield frozenset(direct)
+
+
+def _cheapest(points) -> dict | None:
+    return min((p for p in points if p), key=lambda p: p["compute"], default=None)
+
+
+def best_kinds_sum(runs: dict, idx: list[int], target: float) -> dict | None:
+    """The cheapest (kinds, threshold) reaching ``target`` of the last tier's accuracy on ``idx``."""
+    goal = target * cal.accuracy(runs, 1, idx) * len(idx)
+    thresholds = ((direct, _cheapest_threshold(runs, idx, direct, goal)) for direct in _kind_sets(runs))
+    return _cheapest(kinds_sum(runs, idx, direct, t) for direct, t in thresholds if t is not None)
 
 
 def best_escalate_share(runs: dict, idx: list[int], target: float, pool: str) -> dict | None:
     """escalate_share with the best set of kinds sent straight to the last tier."""
-    kinds = sorted({t["kind"] for t in runs["tasks"]})
-    points = (escalate_share(runs, idx, target, pool, frozenset(d)) for n in range(len(kinds) + 1)
-              for d in itertools.combinations(kinds, n))
-    return min((p for p in points if p), key=lambda p: p["compute"], default=None)
+    return _cheapest(escalate_share(runs, idx, target, pool, direct) for direct in _kind_sets(runs))
 
 
 def main() -> int:
