@@ -453,8 +453,8 @@ async def main_async(args) -> dict:
     from deploy.local import LocalRedis  # here: the GPU cost check imports this module without gRPC
 
     redis = LocalRedis().start()
-    client = redis_client(redis.url, timeout_s=10)
-    index = RedisPrefixIndex(client, "sim:")
+    client = redis_client(redis.url)
+    index = RedisPrefixIndex(client, "sim:", timeout_s=10)
     results: dict = {"args": vars(args), "cost": asdict(StepCost()), "runs": [], "capacity": {}}
     run = 0
     try:

@@ -17,6 +17,7 @@ from the prefix, so this is for one Redis (or a primary with replicas), not Redi
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import functools
 import json
@@ -31,27 +32,37 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from contracts.state import CacheEvent, PrefixIndex, Registry, StateUnavailable, WorkerInfo, WorkerLoad, check_events
 
 
-def redis_client(url: str, connect_timeout_s: float = 0.5, timeout_s: float = 1.0) -> Redis:
+def redis_client(url: str, connect_timeout_s: float = 0.5) -> Redis:
     """A client for ``url``, anything redis-py's ``from_url`` takes: ``redis://host:6379/0``,
     ``redis://user:password@host``, ``rediss://host`` for TLS (``?ssl_cert_reqs=required`` and
-    the like in the query), ``unix:///path.sock``. Timeouts are short, and a failed command is
-    retried once on a fresh connection, so a Redis restart costs no error, and a dead or stalled
-    one answers ``StateUnavailable`` within about ``timeout_s`` instead of hanging a request."""
-    # Retried once on a connection error only: a stalled Redis (a timeout) must fail in
-    # ``timeout_s``, not twice that.
+    the like in the query), ``unix:///path.sock``. A failed command is retried once on a fresh
+    connection, so a Redis restart costs no error.
+
+    No socket timeout: the registry and index put their own deadline (``timeout_s``, 1 s) around
+    each call, so a dead or stalled Redis answers ``StateUnavailable`` within it instead of
+    hanging a request. redis-py's ``socket_timeout`` sends every command under
+    ``asyncio.wait_for``, which on Python 3.11 swallows a cancellation that arrives as the send
+    completes (CPython gh-86296, fixed in 3.12): two of three cancels of a task in a Redis call
+    were lost here, and a publisher's stop() waited forever on a task that never ended."""
+    # Retried once on a connection error only: a stalled Redis must fail within the deadline.
     retry = Retry(ExponentialBackoff(cap=0.05, base=0.01), retries=1, supported_errors=(RedisConnectionError,))
     return Redis.from_url(url, decode_responses=True, socket_connect_timeout=connect_timeout_s,
-                          socket_timeout=timeout_s, retry=retry)
+                          socket_timeout=None, retry=retry)
 
 
 def _store_call(method):
-    """Turn redis-py's connection and timeout errors into StateUnavailable (a ConnectionError), so
-    the router catches one builtin type and never imports redis."""
+    """Each call within the store's deadline (asyncio.timeout, which tells its own expiry from a
+    caller's cancel); the deadline and redis-py's connection and timeout errors become
+    StateUnavailable (a ConnectionError), so the router catches one builtin type and never
+    imports redis."""
 
     @functools.wraps(method)
-    async def call(*args, **kwargs):
+    async def call(self, *args, **kwargs):
         try:
-            return await method(*args, **kwargs)
+            async with asyncio.timeout(self._timeout_s):
+                return await method(self, *args, **kwargs)
+        except TimeoutError as e:  # the deadline (asyncio's TimeoutError is the builtin's from 3.11)
+            raise StateUnavailable(f"redis: no answer within {self._timeout_s:g} s") from e
         except (RedisConnectionError, RedisTimeoutError) as e:
             raise StateUnavailable(f"redis: {e}") from e
 
@@ -118,9 +129,10 @@ def _ttl_ms(ttl_s: float) -> int:
 
 
 class RedisRegistry(Registry):
-    def __init__(self, client: Redis, key_prefix: str = "kvc:"):
+    def __init__(self, client: Redis, key_prefix: str = "kvc:", timeout_s: float = 1.0):
         _check_client(client)
         self._redis = client
+        self._timeout_s = timeout_s  # each call's deadline (_store_call)
         self._worker_prefix = f"{key_prefix}worker:"
         self._ids = f"{key_prefix}workers"
         self._heartbeat = client.register_script(_HEARTBEAT)
@@ -205,9 +217,10 @@ return counts
 
 
 class RedisPrefixIndex(PrefixIndex):
-    def __init__(self, client: Redis, key_prefix: str = "kvc:"):
+    def __init__(self, client: Redis, key_prefix: str = "kvc:", timeout_s: float = 1.0):
         _check_client(client)
         self._redis = client
+        self._timeout_s = timeout_s  # each call's deadline (_store_call)
         self._prefix = key_prefix
         self._apply = client.register_script(_APPLY)
         self._match = client.register_script(_MATCH)

@@ -40,6 +40,7 @@ class WorkerPublisher:
         self.event_interval_s = event_interval_s
         self._task: asyncio.Task | None = None
         self._healthy = False
+        self._stopping = False
 
     def _load(self) -> WorkerLoad:
         s = self.engine.stats()
@@ -56,6 +57,8 @@ class WorkerPublisher:
 
     async def stop(self) -> None:
         """Leave the registry at once (a clean shutdown), so routers stop sending here."""
+        # The flag ends the loop even where a library swallows the cancel (contracts/redis_state.py).
+        self._stopping = True
         if self._task is not None:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -74,7 +77,7 @@ class WorkerPublisher:
     async def _run(self) -> None:
         loop = asyncio.get_running_loop()
         next_beat = loop.time() + self.heartbeat_s
-        while True:
+        while not self._stopping:
             await asyncio.sleep(self.event_interval_s)
             try:
                 if not self._healthy:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import random
 
 import pytest
 
@@ -66,6 +67,27 @@ def test_stored_and_evicted_blocks_reach_the_index(small_engine, state_url):
         await pub.stop()
         assert (await registry.live_workers()) == []
         assert await index.indexed_workers() == set()
+        await registry.aclose()
+
+    asyncio.run(scenario())
+
+
+def test_stop_returns_wherever_it_lands(small_engine, redis_url):
+    """stop() ends the publisher promptly whatever the publisher is doing: 100 publishers stopped
+    at random points of their loop (mid-call to Redis, most often). In CI, one stop() waited
+    forever: the cancel had been swallowed inside a Redis call (contracts/redis_state.py)."""
+    async def scenario():
+        registry, index = connect_state(redis_url, "kvc-pub:")
+        rng = random.Random(0)
+        for i in range(100):
+            pub = WorkerPublisher(small_engine, registry, index, worker_id=f"w{i}", address="127.0.0.1:1",
+                                  model_source="smollm2-135m", heartbeat_s=0.002, event_interval_s=0.001)
+            await pub.start()
+            await asyncio.sleep(rng.random() * 0.02)
+            stopping = asyncio.create_task(pub.stop())
+            done, _ = await asyncio.wait({stopping}, timeout=2)
+            assert done and pub._task.done(), f"publisher {i}: stop() still waiting after 2 s"
+        assert (await registry.live_workers()) == [] and await index.indexed_workers() == set()
         await registry.aclose()
 
     asyncio.run(scenario())
