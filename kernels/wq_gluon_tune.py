@@ -7,6 +7,7 @@ which kernels/wq_gluon_ws.py imports its shared parts from)."""
 from __future__ import annotations
 
 import logging
+import os
 import time
 from pathlib import Path
 
@@ -36,8 +37,16 @@ GLUON_TILES = [(64, 4, 8, 4), (64, 4, 16, 4), (64, 4, 16, 6), (128, 8, 16, 4),
 # int8 7.5 against 8.3; gate_up and the LM head slower with it). 1-8 rows time BLOCK_M 8 tiles only:
 # BLOCK_M 16 and 128-row BLOCK_M 8 tiles did not win there once these were listed, and every tile
 # timed adds to the warm-up (82-88 s for the 8B in int4 or int8 with them, 58-65 s before)
+# A seventh field, NS 2: two consumer warpgroups on the two halves of a 128-row tile of W, sharing x
+# (kernels/wq_gluon_ws.py), timed from 33 rows of x, where one consumer's 64-row tiles re-read x from
+# the L2 once each (gate_up at 256 rows, int8: 106.9 µs against 133.8, docs/BENCHMARKS.md); one CTA
+# an SM (WS_NS_MAXNREG registers, 131-196 KB of shared memory)
 GLUON_WS_TILES = [(64, 4, 8, 3, True), (64, 4, 8, 4, True), (64, 4, 8, 4, True, 2),
-                  (64, 4, 16, 4, True), (64, 4, 16, 6, True), (64, 4, 32, 4, True), (64, 4, 64, 4, True)]
+                  (64, 4, 16, 4, True), (64, 4, 16, 6, True), (64, 4, 32, 4, True), (64, 4, 64, 4, True),
+                  (128, 4, 64, 4, True, 1, 2), (128, 4, 128, 3, True, 1, 2), (128, 4, 128, 4, True, 1, 2),
+                  (128, 4, 256, 2, True, 1, 2)]
+GLUON_NS = os.environ.get("KVCASCADE_GLUON_NS", "1") != "0"  # off: no NS tiles timed (the A/B)
+WS_NS_MAXNREG = 168  # 12 warps at launch (the producer warp is padded to a warpgroup): 64 K registers an SM
 GLUON_SPLITS = (1, 2, 4, 8)
 
 
@@ -56,14 +65,17 @@ def gluon_configs(m: int, n: int, k: int, split_rows: int, tiles: list[tuple] | 
         if bm not in ((8, ) if bucket == 8 else (bucket, max(16, bucket // 2))):
             continue
         ws, nc = bool(flags and flags[0]), (flags[1] if len(flags) > 1 and flags[0] else 1)
+        ns = flags[2] if len(flags) > 2 and flags[0] else 1
+        if ns > 1 and m < 33:  # a CTA an SM and no K split: for the many rows only
+            continue
         blocks = -(-n // bn) * -(-m // bm)
         for split in GLUON_SPLITS:
-            if (k // BLOCK_K) % (2 * split * nc) or (split * nc > 1 and m > split_rows):
+            if (k // BLOCK_K) % (2 * split * nc) or (split * nc > 1 and m > split_rows) or (split > 1 and ns > 1):
                 continue
             if split > 1 and blocks * split > 528:
                 continue
             out.append(dict(BLOCK_N=bn, num_warps=warps, BLOCK_M=bm, STAGES=stages, SPLIT_K=split, WS=ws,
-                            **({"NC": nc} if nc > 1 else {})))
+                            **({"NC": nc} if nc > 1 else {}), **({"NS": ns} if ns > 1 else {})))
     return out
 
 
@@ -114,7 +126,7 @@ def disk_cache(device: torch.device) -> TuneCache:
         fingerprint = dict(gpu=props.name, capability=f"{props.major}.{props.minor}", sms=props.multi_processor_count,
                            torch=torch.__version__, triton=triton.__version__, source=source_hash(*sources),
                            pdl=bool(ANY_PDL and wq_gluon_mod.PDL), pdl_late=str(wq_gluon_mod.PDL_LATE),
-                           pdl_late_rows=wq_gluon_mod.PDL_LATE_ROWS)
+                           pdl_late_rows=wq_gluon_mod.PDL_LATE_ROWS, ns=GLUON_NS)
         cache = _disk[index] = TuneCache("wq_gluon", fingerprint)
     return cache
 
@@ -129,7 +141,7 @@ def tuned_config(x: torch.Tensor, weight: TiledWeight, out: torch.Tensor, bias: 
     cfg = _tuned.get(key)
     if cfg is not None:
         return cfg
-    configs = gluon_configs(m, n, k, split_rows, GLUON_TILES + GLUON_WS_TILES)
+    configs = gluon_configs(m, n, k, split_rows, GLUON_TILES + [t for t in GLUON_WS_TILES if GLUON_NS or len(t) < 7])
     disk = disk_cache(x.device)
     disk_key = TuneCache.key(key + (split_rows, ))
     cfg = disk.get(disk_key)
@@ -196,9 +208,12 @@ def _launch(x: torch.Tensor, words: torch.Tensor, sb: torch.Tensor, group: int, 
     if config.get("WS"):
         from kernels.wq_gluon_ws import _wq_gluon_ws_kernel as kernel
 
-        extra = dict(maxnreg=wq_gluon_mod.WS_MAXNREG[bm])
+        ns = config.get("NS", 1)
+        extra = dict(maxnreg=WS_NS_MAXNREG if ns > 1 else wq_gluon_mod.WS_MAXNREG[bm])
         if config.get("NC", 1) > 1:
             extra["NC"] = config["NC"]
+        if ns > 1:
+            extra["NS"] = ns
     kernel[grid](x_desc, w_desc, sb, out if bias is None else bias, out, ws, cnt, out if act is None else act, m, n,
                  k, sb.stride(0), out.stride(0), ACT=act is not None, GROUP=group, HAS_BIAS=bias is not None,
                  BLOCK_N=bn, BLOCK_M=bm,

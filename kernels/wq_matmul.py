@@ -19,8 +19,8 @@ Paths by rows of x (decode_path; the crossovers were measured on an H200):
   kernel's idea in Gluon with the wgmma chain kept asynchronous across K tiles, on the weight
   repacked into wgmma's fragment order. The engine's weights are repacked at load (``prepare``: a
   TiledWeight, their only form there), and take the Gluon kernel from 1 row to GLUON_ROWS' last
-  (int4 512, int8 384), dequantize + cuBLAS above; a natural weight (benchmarks, tests) takes it at GLUON_ROWS
-  (int4 3-512, int8 2-384) through a repacked copy kept beside it. GLUON = False
+  (512), dequantize + cuBLAS above; a natural weight (benchmarks, tests) takes it at GLUON_ROWS
+  (int4 3-512, int8 2-512) through a repacked copy kept beside it. GLUON = False
   (KVCASCADE_GLUON=0) turns it off: natural weights, the paths below.
 - up to SWAP_MAX_ROWS rows: the swapped kernel, out^T = W x^T. The weight tile is the dot's first
   operand, which Hopper's wgmma takes from registers (its second only from shared memory), so the
@@ -785,9 +785,10 @@ SWAP_MAX_ROWS = {8: 128, 4: 64}
 # 194, at 128 128 against dense 295, at 512 392 against dense 436; at 1024 901 against dense 815;
 # int8 at 1 row 75.5 against the GEMV's 85.4, at 2 78 against 109, at 16 80 (swapped ~96), at 64
 # 100 (swapped ~149); int8 tiled at 256 rows 253-258 against dense 352-367, at 512 549-580 against
-# dense 483-494 (crossing near 400: int8's unpacking is twice int4's a weight once the MMAs bind)
+# dense 483-494 (crossing near 400: int8's unpacking is twice int4's a weight once the MMAs bind);
+# with the two-consumer tiles (wq_gluon_tune.py's NS) int8 at 512 rows 410 against dense 469 (2026-11-28)
 GLUON = os.environ.get("KVCASCADE_GLUON", "1") != "0"  # off: natural weights, slower at 1-512 rows
-GLUON_ROWS = {4: (3, 512), 8: (2, 384)}
+GLUON_ROWS = {4: (3, 512), 8: (2, 512)}
 
 
 def _capability(device: torch.device) -> tuple[int, int] | None:

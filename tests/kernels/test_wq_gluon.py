@@ -120,8 +120,8 @@ def test_routing_takes_the_kernel_only_where_it_can_run(monkeypatch):
     w8 = _weight(k=256, bits=8)  # int8: the same kernel (BITS 8) from 2 rows; 1 row stays the GEMV's
     assert wq_matmul.decode_path(w8, 16, torch.bfloat16) == "gluon"
     assert wq_matmul.decode_path(w8, 1, torch.bfloat16) == "gemv"
-    hi8 = wq_matmul.GLUON_ROWS[8][1]  # int8 hands over to dequantize + cuBLAS earlier than int4 (384 rows)
-    assert hi8 < hi and wq_matmul.decode_path(w8, hi8, torch.bfloat16) == "gluon"
+    hi8 = wq_matmul.GLUON_ROWS[8][1]  # int8 hands over to dequantize + cuBLAS at 512 rows too
+    assert wq_matmul.decode_path(w8, hi8, torch.bfloat16) == "gluon"
     assert wq_matmul.decode_path(w8, hi8 + 1, torch.bfloat16) != "gluon"
     monkeypatch.setattr(wq_matmul, "_capability", lambda device: (10, 0))
     assert wq_matmul.decode_path(w, 16, torch.bfloat16) != "gluon"
@@ -342,11 +342,17 @@ def test_configs_split_only_evenly_and_within_the_workspace():
     assert sorted(c["SPLIT_K"] for c in two) == [1, 2, 4] and all(c["NC"] == 2 and c["WS"] for c in two)
     assert not wq_gluon_tune.gluon_configs(128, 4096, 14336, 64, [(64, 4, 128, 4, True, 2)])  # past the workspace
     for m in (1, 3, 16, 64, 128, 256):
-        for cfg in wq_gluon_tune.gluon_configs(m, 4096, 14336, 64):
+        every = wq_gluon_tune.GLUON_TILES + wq_gluon_tune.GLUON_WS_TILES
+        configs = wq_gluon_tune.gluon_configs(m, 4096, 14336, 64, every)
+        for cfg in configs:
             bucket = wq_gluon_tune.rows_block(m)
             assert cfg["BLOCK_M"] in ((8, ) if bucket == 8 else (bucket, max(16, bucket // 2)))
             if cfg["SPLIT_K"] > 1:
                 assert m <= 64 and (14336 // 128) % cfg["SPLIT_K"] == 0
+        # two consumers on a 128-row tile of W: from 33 rows, never split (each stores its own rows)
+        split_w = [c for c in configs if c.get("NS")]
+        assert bool(split_w) == (m > 32), m
+        assert all(c["NS"] == 2 and c["BLOCK_N"] == 128 and c["SPLIT_K"] == 1 and c["WS"] for c in split_w)
 
 
 CHECK = r'''
@@ -399,7 +405,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon._runtime import GluonASTSource
-from kernels import wq_gluon
+from kernels import wq_gluon, wq_gluon_tune
 
 def sass_inflight_writes(sass):
     """The same in the SASS, where ptxas allocates the registers: an HGMMA group's A quads stay
@@ -435,7 +441,9 @@ for bits, bn, warps, bm, stages, split, ws, *act in (
         (4, 64, 4, 8, 4, 2, True), (4, 64, 4, 8, 4, 2, False), (8, 64, 4, 8, 3, 2, True), (4, 64, 4, 8, 4, 1, 2),
         (8, 64, 4, 8, 4, 2, 2),
         # the SiLU in the epilogue (_silu_pair): unsplit, split, and the two-consumer kernel's
-        (8, 64, 4, 8, 4, 1, True, True), (4, 128, 4, 16, 4, 2, False, True), (8, 64, 4, 8, 4, 2, 2, True)):
+        (8, 64, 4, 8, 4, 1, True, True), (4, 128, 4, 16, 4, 2, False, True), (8, 64, 4, 8, 4, 2, 2, True),
+        # two consumers on the halves of a 128-row tile of W (NS 2; ws "ns")
+        (8, 128, 4, 128, 3, 1, "ns"), (8, 128, 4, 256, 2, 1, "ns"), (4, 128, 4, 64, 4, 1, "ns")):
     act = bool(act)
     wpt = 128 * bits // 32
     xl = gl.NVMMASharedLayout.get_default_for([bm, 128], gl.bfloat16)
@@ -443,20 +451,24 @@ for bits, bn, warps, bm, stages, split, ws, *act in (
     sig = {"x_desc": f"tensordesc<bf16[{bm}, 128],{xl!r}>", "w_desc": f"tensordesc<i32[{bn}, {wpt}],{wl!r}>",
            "sb_ptr": "*i16" if bits == 8 else "*i32", "bias_ptr": "*bf16", "out_ptr": "*bf16", "ws_ptr": "*fp32",
            "cnt_ptr": "*i32", "act_ptr": "*bf16", "M": "i32", "N": "i32", "K": "i32", "stride_sb": "i32", "stride_om": "i32"}
-    nc, ws = (ws, True) if ws == 2 else (1, ws)  # ws 2: the warp-specialized kernel with two consumers
+    ns = 2 if ws == "ns" else 1
+    nc, ws = (ws, True) if ws == 2 else (1, bool(ws))  # ws 2: the warp-specialized kernel with two consumers
     cst = dict(GROUP=128, HAS_BIAS=False, BLOCK_N=bn, BLOCK_M=bm, STAGES=stages, SPLIT_K=split, num_warps=warps,
-               INFLIGHT=1, USE_PDL=True, BITS=bits, LATE_LAUNCH=bits == 8, ACT=act, **({"NC": nc} if nc > 1 else {}))
+               INFLIGHT=1, USE_PDL=True, BITS=bits, LATE_LAUNCH=bits == 8, ACT=act, **({"NC": nc} if nc > 1 else {}),
+               **({"NS": ns} if ws else {}))  # (a raw compile takes no defaults)
     sig.update({k: "constexpr" for k in cst})
     fn = wq_gluon_ws._wq_gluon_ws_kernel if ws else wq_gluon._wq_gluon_kernel
-    options = {"num_warps": warps, **({"maxnreg": wq_gluon.WS_MAXNREG[bm]} if ws else {})}
+    maxnreg = wq_gluon_tune.WS_NS_MAXNREG if ns > 1 else wq_gluon.WS_MAXNREG.get(bm)
+    options = {"num_warps": warps, **({"maxnreg": maxnreg} if ws else {})}
     kernel = triton.compile(GluonASTSource(fn, sig, cst), target=GPUTarget("cuda", 90, 32), options=options)
     label = (f"int{bits}, {warps} warps, {bm} rows, {stages} stages, split {split}, warp-specialized {ws}, "
-             f"consumers {nc}, SiLU {act}")
+             f"consumers {nc} (K) {ns} (N), SiLU {act}")
     ttgir, ptx = kernel.asm["ttgir"], kernel.asm["ptx"]
     # two consumers retire each tile in its own step (the other's overlaps it)
-    assert "isAsync = true" in ttgir and f"pendings = {2 - nc}" in ttgir, label + ": no asynchronous wgmma"
+    pending = 1 if nc == ns == 1 else 0
+    assert "isAsync = true" in ttgir and f"pendings = {pending}" in ttgir, label + ": no asynchronous wgmma"
     assert ws == ("setmaxnreg" in kernel.asm["ptx"]), label
-    assert f"wgmma.wait_group.sync.aligned {2 - nc};" in ptx, label
+    assert f"wgmma.wait_group.sync.aligned {pending};" in ptx, label
     # the weights' first stages are asked for before the wait for the kernel before (PDL); the
     # warp-specialized kernel's consumer (its wait before the stores) comes first in the PTX
     assert ws or ptx.index("cp.async.bulk.tensor") < ptx.index("griddepcontrol.wait"), label
@@ -464,7 +476,7 @@ for bits, bn, warps, bm, stages, split, ws, *act in (
     # warp-specialized kernel: by its consumer's wait at the end only, not also its producer's)
     launch, drained = ptx.index("griddepcontrol.launch_dependents"), ptx.index("wgmma.wait_group.sync.aligned 0")
     if ws:
-        assert ptx.count("griddepcontrol.launch_dependents") == (1 if bits == 8 else 2) + nc - 1, label
+        assert ptx.count("griddepcontrol.launch_dependents") == (1 if bits == 8 else 2) + nc * ns - 1, label
     else:
         assert (launch > drained) == (bits == 8), label
     assert not inflight_writes(ptx), label + ": " + str(inflight_writes(ptx)[:3])
