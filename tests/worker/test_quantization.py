@@ -159,10 +159,23 @@ GOLDEN = {
 }
 
 
+# torch's packed CPU kernels round differently by instruction set: the goldens above are an AVX-512
+# machine's; on an AVX2 one (an AMD EPYC, 2026-11-28) int8's second answer and int4's second and
+# third part from them at a near tie (the logprob bounds of the test above hold on both).
+GOLDEN_AVX2 = {
+    **GOLDEN,
+    "int8": [GOLDEN["int8"][0], [49, 290, 83, 28, 253, 2644, 28, 253, 2644, 28, 253, 2644, 28, 253, 2644, 28],
+             GOLDEN["int8"][2]],
+    "int4": [GOLDEN["int4"][0], [57, 744, 253, 2644, 28, 253, 2644, 282, 260, 31801, 1564, 28, 351, 253, 2644, 30],
+             [19556, 17, 339, 5248, 441, 253, 2767, 30, 339, 5248, 253, 7952, 2644, 30, 339, 416]],
+}
+
+
 @pytest.mark.parametrize("q", ["auto", "int8", "int4"])
 def test_packed_greedy_tokens_are_stable(smollm2, quantized, q, prompt_ids):
     out = quantized[q].generate(prompt_ids[:3], SamplingParams(max_tokens=16, temperature=0, ignore_eos=True))
-    assert out == GOLDEN[q]
+    golden = GOLDEN_AVX2 if torch.backends.cpu.get_cpu_capability() == "AVX2" else GOLDEN
+    assert out == golden[q]
 
 
 def test_many_requests_at_once_give_each_ones_solo_tokens_and_free_every_block(quantized, prompt_ids):
