@@ -106,6 +106,12 @@ class AttentionBackend:
         raise NotImplementedError
 
 
+# A prefill chunk of fewer rows is padded to this many: on AVX2 CPUs, masked SDPA over 1-3 query
+# rows sums in another order than over 4 or more (measured, torch 2.13), so a prompt's last 1-3
+# tokens after a prefix-cache hit got other bits than the whole prompt's prefill gives them.
+_MIN_PREFILL_ROWS = 4
+
+
 class TorchAttentionBackend(AttentionBackend):
     """Plain torch: gathers each sequence's K/V from its blocks and calls SDPA.
 
@@ -137,9 +143,12 @@ class TorchAttentionBackend(AttentionBackend):
                     group.append(slots[:seen])
                 continue
             mask = None
-            if ctx != q_len:  # a cached or earlier-chunk prefix: causal with an offset
+            if ctx != q_len or q_len < _MIN_PREFILL_ROWS:  # a cached or earlier-chunk prefix: causal with an offset
                 q_pos = torch.arange(ctx - q_len, ctx).unsqueeze(1)
-                mask = (torch.arange(ctx).unsqueeze(0) <= q_pos).to(device)
+                mask = torch.arange(ctx).unsqueeze(0) <= q_pos
+                if q_len < _MIN_PREFILL_ROWS:  # padding rows, attending to everything, dropped after
+                    mask = torch.cat([mask, mask.new_ones(_MIN_PREFILL_ROWS - q_len, ctx)])
+                mask = mask.to(device)
             prefills.append((start, start + q_len, slots.to(device), mask))
         meta.extra["row_groups"] = [(torch.tensor(rows, device=device), torch.stack(group).to(device))
                                     for rows, group in by_ctx.values()]
@@ -183,12 +192,14 @@ class TorchAttentionBackend(AttentionBackend):
             out[rows] = od.squeeze(2)
         for s, e, slots, mask in meta.extra["prefills"]:
             qp = q[s:e].transpose(0, 1)  # [H, q_len, D]
+            if e - s < _MIN_PREFILL_ROWS:
+                qp = torch.cat([qp, qp.new_zeros(qp.shape[0], _MIN_PREFILL_ROWS - (e - s), qp.shape[2])], dim=1)
             kp, vp = gather(slots)
             kp, vp = kp.transpose(0, 1), vp.transpose(0, 1)  # [KVH, ctx, D]
             op = F.scaled_dot_product_attention(
                 qp, kp, vp, attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=True
             )
-            out[s:e] = op.transpose(0, 1)
+            out[s:e] = op[:, :e - s].transpose(0, 1)
         return out
 
 
