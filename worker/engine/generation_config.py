@@ -52,9 +52,9 @@ def _from_json(path: Path) -> dict[str, Any]:
 
 
 def _from_gguf(path: Path) -> dict[str, Any]:
-    import gguf
+    from worker.models.loader import gguf_reader
 
-    fields = gguf.GGUFReader(str(path)).fields
+    fields = gguf_reader(path).fields
     defaults = {}
     for key, name in _GGUF_KEYS.items():
         if key in fields:

@@ -5,6 +5,7 @@ imported only where weights are read."""
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 from collections.abc import Iterator
 from pathlib import Path
@@ -148,6 +149,53 @@ _GGUF_TOP_NAMES = {
 _SUPPORTED_ARCHS = ("llama", "qwen2", "mistral")
 
 
+def gguf_reader(path: Path):
+    """The ``gguf`` package's reader of ``path``, its metadata arrays read whole.
+
+    gguf's own reader makes a numpy view of every element of every array: a Qwen2.5 GGUF's
+    tokenizer (151,936 tokens and 151,387 merges) becomes 1.4M views, 10-16 s a parse on a 2-core
+    CPU (measured), and loading a model parsed its file five times (config, quantization plan,
+    weights, sampling defaults). Here an array of numbers is one view (``contents()`` gives its
+    list, as before) and an array of strings is stepped over, its count kept (``array_len``): the
+    tokenizer is transformers' to read (contracts/tokenizers.py). Tensors are gguf's own."""
+    return _arrays_whole_reader_class()(str(path))
+
+
+def array_len(field) -> int:
+    """How many items a metadata array field holds (the length gguf stores before them)."""
+    return int(field.parts[4][0])  # key length, key, value type, item type, item count
+
+
+@functools.cache
+def _arrays_whole_reader_class():  # built at first use: gguf and numpy are imported then
+    import struct
+
+    import gguf
+    import numpy as np
+
+    arr, text = gguf.GGUFValueType.ARRAY, gguf.GGUFValueType.STRING
+
+    class ArraysWholeReader(gguf.GGUFReader):
+        def _get_field_parts(self, orig_offs, raw_type):
+            if gguf.GGUFValueType(raw_type) != arr or self.byte_order != "I":
+                return super()._get_field_parts(orig_offs, raw_type)
+            raw_itype = self._get(orig_offs, np.uint32)
+            count = self._get(orig_offs + 4, np.uint64)
+            itype, n, offs = gguf.GGUFValueType(raw_itype[0]), int(count[0]), orig_offs + 12
+            nptype = self.gguf_scalar_to_np.get(itype)
+            if nptype is not None:
+                items = self._get(offs, nptype, n)
+                return 12 + int(items.nbytes), [raw_itype, count, items], [2], [arr, itype]
+            if itype != text:  # nested arrays: gguf's way
+                return super()._get_field_parts(orig_offs, raw_type)
+            view = memoryview(self.data)
+            for _ in range(n):  # each string: a little-endian uint64 length, then its bytes
+                offs += 8 + struct.unpack_from("<Q", view, offs)[0]
+            return offs - orig_offs, [raw_itype, count], [], [arr, itype]
+
+    return ArraysWholeReader
+
+
 def _gguf_fields(reader) -> dict[str, object]:
     out = {}
     for key, f in reader.fields.items():
@@ -165,13 +213,13 @@ def _gguf_fields(reader) -> dict[str, object]:
 def _gguf_config(path: Path, reader=None) -> ModelConfig:
     import gguf
 
-    reader = reader or gguf.GGUFReader(str(path))
+    reader = reader or gguf_reader(path)
     meta = _gguf_fields(reader)
     arch = meta["general.architecture"]
     if arch not in _SUPPORTED_ARCHS:
         raise ValueError(f"{path}: architecture {arch!r} is not supported (only {_SUPPORTED_ARCHS})")
     names = {t.name for t in reader.tensors}
-    vocab = meta.get(f"{arch}.vocab_size") or len(reader.fields["tokenizer.ggml.tokens"].data)
+    vocab = meta.get(f"{arch}.vocab_size") or array_len(reader.fields["tokenizer.ggml.tokens"])
     heads = meta[f"{arch}.attention.head_count"]
     hidden = meta[f"{arch}.embedding_length"]
     eos = meta.get("tokenizer.ggml.eos_token_id")
@@ -201,7 +249,7 @@ def gguf_formats(path: Path) -> dict[str, tuple[int, int] | None]:
 
     from worker.models.gguf_quant import REPACKED
 
-    reader = gguf.GGUFReader(str(path))
+    reader = gguf_reader(path)
     names = ((_gguf_to_hf_name(t.name), t.tensor_type.name) for t in reader.tensors)
     return {name: REPACKED.get(kind) for name, kind in names if name is not None}
 
@@ -215,7 +263,7 @@ def _gguf_weights(path: Path, packed: bool = False) -> Iterator[tuple[str, "torc
     from kernels.wquant import QuantizedWeight
     from worker.models.gguf_quant import REPACKED, repack
 
-    reader = gguf.GGUFReader(str(path))
+    reader = gguf_reader(path)
     cfg = _gguf_config(path, reader)
     for t in reader.tensors:
         name = _gguf_to_hf_name(t.name)
