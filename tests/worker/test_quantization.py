@@ -19,6 +19,7 @@ gguf = pytest.importorskip("gguf")
 from gguf.quants import dequantize, quantize  # noqa: E402
 
 from worker.models.gguf_quant import REPACKED, repack  # noqa: E402
+from worker.models.loader import gguf_reader  # noqa: E402
 
 QWEN = "qwen2.5-coder-0.5b"
 has_qwen = BUILTIN_MODELS[QWEN].chunks.installed()
@@ -39,7 +40,7 @@ def test_gguf_blocks_made_by_the_gguf_package_repack_exactly(kind):
 
 
 def _tensors_of(model: str, kinds: set[str]):
-    reader = gguf.GGUFReader(str(resolve_model(model).path))
+    reader = gguf_reader(resolve_model(model).path)  # tensors as gguf's reader gives them (test_gguf_reader.py)
     seen = {}
     for t in reader.tensors:
         if t.tensor_type.name in kinds and t.tensor_type.name not in seen and len(t.shape) == 2:
