@@ -60,7 +60,8 @@ async def start_ray_workers(configs: list[EngineConfig], workers: int, running, 
 
     async def drain(actor) -> None:
         try:
-            await asyncio.wait_for(asyncio.wrap_future(actor.drain.remote().future()), grace_s + 20)
+            async with asyncio.timeout(grace_s + 20):  # not wait_for: it can swallow a cancel on 3.11
+                await asyncio.wrap_future(actor.drain.remote().future())
         except Exception as exc:  # dead, restarting, or stuck: it is removed all the same
             log.warning("a worker did not drain cleanly: %r", exc)
 

@@ -118,7 +118,10 @@ class HttpWorkers:
     async def _ready_message(self, proc: BaseProcess, ready: Connection) -> str:
         """"ready" once the child accepts connections, else why not."""
         try:
-            await asyncio.wait_for(_readable(ready.fileno()), self.start_timeout_s)
+            # asyncio.timeout, not wait_for: on Python 3.11 wait_for can swallow a cancel that lands
+            # as its inner await completes (CPython gh-86296), and stop() would wait on a start
+            async with asyncio.timeout(self.start_timeout_s):
+                await _readable(ready.fileno())
             return ready.recv()
         except TimeoutError:
             return f"not accepting connections after {self.start_timeout_s:.0f}s"
