@@ -143,7 +143,8 @@ class TorchAttentionBackend(AttentionBackend):
                     group.append(slots[:seen])
                 continue
             mask = None
-            if ctx != q_len or q_len < _MIN_PREFILL_ROWS:  # a cached or earlier-chunk prefix: causal with an offset
+            # a cached or earlier-chunk prefix (causal with an offset), or a chunk padded to 4 rows
+            if ctx != q_len or q_len < _MIN_PREFILL_ROWS:
                 q_pos = torch.arange(ctx - q_len, ctx).unsqueeze(1)
                 mask = torch.arange(ctx).unsqueeze(0) <= q_pos
                 if q_len < _MIN_PREFILL_ROWS:  # padding rows, attending to everything, dropped after

@@ -211,8 +211,6 @@ def _gguf_fields(reader) -> dict[str, object]:
 
 
 def _gguf_config(path: Path, reader=None) -> ModelConfig:
-    import gguf
-
     reader = reader or gguf_reader(path)
     meta = _gguf_fields(reader)
     arch = meta["general.architecture"]
@@ -245,8 +243,6 @@ def _gguf_config(path: Path, reader=None) -> ModelConfig:
 def gguf_formats(path: Path) -> dict[str, tuple[int, int] | None]:
     """HF weight name -> (bits, group) its GGUF type repacks into exactly, or None (float, or a
     type that is not repacked): what ``--quantization auto`` serves (quantization.checkpoint_plan)."""
-    import gguf
-
     from worker.models.gguf_quant import REPACKED
 
     reader = gguf_reader(path)
@@ -255,7 +251,6 @@ def gguf_formats(path: Path) -> dict[str, tuple[int, int] | None]:
 
 
 def _gguf_weights(path: Path, packed: bool = False) -> Iterator[tuple[str, "torch.Tensor"]]:
-    import gguf
     import numpy as np
     import torch
     from gguf.quants import dequantize
