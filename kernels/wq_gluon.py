@@ -219,6 +219,20 @@ if HAS_GLUON:
         + f"sub.rn.bf16x2 a, a, b; mul.rn.bf16x2 ${i}, a, $3; "
         for i in range(2)) + "}")
 
+    # the group-column kernel's unpacking (kernels/wq_gluon_ws.py, one row of x): the scale and bias
+    # leave the weight, applied to the tile's sums once a block of 8 tiles. int4: a word's 8 nibbles
+    # -> 4 bf16x2 registers 128 + q (exact), $0..$3 from the word $4: 7 instructions a word, not 15
+    _UNPACK_GC = gl.constexpr("{ .reg .b32 t; " + "".join(
+        ("lop3.b32 $0, $4, " if i == 0 else f"shr.u32 t, $4, {4 * i}; lop3.b32 ${i}, t, ")
+        + "0x000F000F, 0x43004300, 0xEA; " for i in range(4)) + "}")
+    # int8: a word's 4 bytes (u = q + 128) -> q exactly, without the scale: 7 instructions a word, not 9
+    _UNPACK8_GC = gl.constexpr("{ .reg .b32 t, a, b; " + "".join(
+        ("" if i == 0 else "shr.u32 t, $2, 8; ")
+        + f"lop3.b32 a, {'$2' if i == 0 else 't'}, 0x007F007F, 0x43004300, 0xEA; "
+        + f"lop3.b32 b, {'$2' if i == 0 else 't'}, 0x00800080, 0x43004300, 0xAE; "
+        + f"sub.rn.bf16x2 ${i}, a, b; "
+        for i in range(2)) + "}")
+
     @gluon.constexpr_function
     def _words_layout(block_n, num_warps, bits=4):
         """[block_n, 16] int32 words (int4; int8: 32): a thread holds words 4c..4c + 3 (int8: 8c..8c + 7)
@@ -246,20 +260,48 @@ if HAS_GLUON:
         if BITS == 8:
             r0, r1 = gl.inline_asm_elementwise(_UNPACK8, "=r,=r,r,r", [w, s2], dtype=(gl.int32, gl.int32),
                                                is_pure=True, pack=1)
-            # [n, u, h, e] with u = 8 c + j: column 16 j + 8 h + 2 c + e
-            t = gl.join(r0, r1)
-            t = gl.join(t.to(gl.int16), (t >> 16).to(gl.int16))
-            t = t.reshape([BLOCK_N, 4, 8, 2, 2])  # [n, c, j, h, e]
-            t = t.permute([0, 2, 3, 1, 4])  # [n, j, h, c, e]
+            t = _arrange8(r0, r1, a_layout, BLOCK_N)
         else:
             r0, r1, r2, r3 = gl.inline_asm_elementwise(_UNPACK, "=r,=r,=r,=r,r,r,r", [w, s2, b2],
                                                        dtype=(gl.int32, gl.int32, gl.int32, gl.int32), is_pure=True,
                                                        pack=1)
-            # [n, u] with u = 4 c + i, pairs s = 2 s1 + s0, halves e -> column 32 i + 16 s1 + 8 s0 + 2 c + e
-            t = gl.join(gl.join(r0, r1), gl.join(r2, r3))  # [n, u, s0, s1]
-            t = gl.join(t.to(gl.int16), (t >> 16).to(gl.int16))  # [n, u, s0, s1, e]
-            t = t.reshape([BLOCK_N, 4, 4, 2, 2, 2])  # [n, c, i, s0, s1, e]
-            t = t.permute([0, 2, 4, 3, 1, 5])  # [n, i, s1, s0, c, e]
+            t = _arrange4(r0, r1, r2, r3, a_layout, BLOCK_N)
+        return t
+
+    @gluon.jit
+    def _unpack_tile_gc(w, a_layout: gl.constexpr, BLOCK_N: gl.constexpr, BITS: gl.constexpr = 4):
+        """Words [BLOCK_N, 16] (int8: 32) -> the tile [BLOCK_N, 128] bf16 in a_layout without its
+        scale: 128 + q (int4), q (int8)."""
+        if BITS == 8:
+            r0, r1 = gl.inline_asm_elementwise(_UNPACK8_GC, "=r,=r,r", [w], dtype=(gl.int32, gl.int32),
+                                               is_pure=True, pack=1)
+            t = _arrange8(r0, r1, a_layout, BLOCK_N)
+        else:
+            r0, r1, r2, r3 = gl.inline_asm_elementwise(_UNPACK_GC, "=r,=r,=r,=r,r", [w],
+                                                       dtype=(gl.int32, gl.int32, gl.int32, gl.int32), is_pure=True,
+                                                       pack=1)
+            t = _arrange4(r0, r1, r2, r3, a_layout, BLOCK_N)
+        return t
+
+    @gluon.jit
+    def _arrange8(r0, r1, a_layout: gl.constexpr, BLOCK_N: gl.constexpr):
+        """An int8 tile's unpacked registers (bytes (0, 2), (1, 3) of each word) as [BLOCK_N, 128] bf16."""
+        # [n, u, h, e] with u = 8 c + j: column 16 j + 8 h + 2 c + e
+        t = gl.join(r0, r1)
+        t = gl.join(t.to(gl.int16), (t >> 16).to(gl.int16))
+        t = t.reshape([BLOCK_N, 4, 8, 2, 2])  # [n, c, j, h, e]
+        t = t.permute([0, 2, 3, 1, 4])  # [n, j, h, c, e]
+        t = t.reshape([BLOCK_N, _BK]).to(gl.bfloat16, bitcast=True)
+        return gl.convert_layout(t, a_layout, assert_trivial=True)
+
+    @gluon.jit
+    def _arrange4(r0, r1, r2, r3, a_layout: gl.constexpr, BLOCK_N: gl.constexpr):
+        """An int4 tile's unpacked registers (nibble pairs (s, s + 4) of each word) as [BLOCK_N, 128] bf16."""
+        # [n, u] with u = 4 c + i, pairs s = 2 s1 + s0, halves e -> column 32 i + 16 s1 + 8 s0 + 2 c + e
+        t = gl.join(gl.join(r0, r1), gl.join(r2, r3))  # [n, u, s0, s1]
+        t = gl.join(t.to(gl.int16), (t >> 16).to(gl.int16))  # [n, u, s0, s1, e]
+        t = t.reshape([BLOCK_N, 4, 4, 2, 2, 2])  # [n, c, i, s0, s1, e]
+        t = t.permute([0, 2, 4, 3, 1, 5])  # [n, i, s1, s0, c, e]
         t = t.reshape([BLOCK_N, _BK]).to(gl.bfloat16, bitcast=True)
         return gl.convert_layout(t, a_layout, assert_trivial=True)
 

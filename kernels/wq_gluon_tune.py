@@ -41,11 +41,18 @@ GLUON_TILES = [(64, 4, 8, 4), (64, 4, 16, 4), (64, 4, 16, 6), (128, 8, 16, 4),
 # (kernels/wq_gluon_ws.py), timed from 33 rows of x, where one consumer's 64-row tiles re-read x from
 # the L2 once each (gate_up at 256 rows, int8: 106.9 µs against 133.8, docs/BENCHMARKS.md); one CTA
 # an SM (WS_NS_MAXNREG registers, 131-196 KB of shared memory)
+# An eighth field, GC: one row of x, the group-column consumer (kernels/wq_gluon_ws.py), the field its
+# register cap: the scales out of the unpacking, applied once a block of 8 tiles (int4: 110 instructions
+# a tile in the sm_90 SASS's loop, not 171; int8 165, not 198). 64 registers let 4 CTAs share an SM
+# (gate_up's 448 in one wave: int4 22.0 µs against 24.4 at 1 row, H200), 80 suit the small grids (qkv
+# int4 6.6 against 7.9; docs/BENCHMARKS.md); timed for 1 row only
 GLUON_WS_TILES = [(64, 4, 8, 3, True), (64, 4, 8, 4, True), (64, 4, 8, 4, True, 2),
+                  (64, 4, 8, 4, True, 1, 1, 64), (64, 4, 8, 4, True, 1, 1, 80),
                   (64, 4, 16, 4, True), (64, 4, 16, 6, True), (64, 4, 32, 4, True), (64, 4, 64, 4, True),
                   (128, 4, 64, 4, True, 1, 2), (128, 4, 128, 3, True, 1, 2), (128, 4, 128, 4, True, 1, 2),
                   (128, 4, 256, 2, True, 1, 2)]
 GLUON_NS = os.environ.get("KVCASCADE_GLUON_NS", "1") != "0"  # off: no NS tiles timed (the A/B)
+GLUON_GC = os.environ.get("KVCASCADE_GLUON_GC", "1") != "0"  # off: no GC tiles timed (the A/B)
 WS_NS_MAXNREG = 168  # 12 warps at launch (the producer warp is padded to a warpgroup): 64 K registers an SM
 GLUON_SPLITS = (1, 2, 4, 8)
 
@@ -62,7 +69,11 @@ def gluon_configs(m: int, n: int, k: int, split_rows: int, tiles: list[tuple] | 
     bucket = rows_block(m)
     out = []
     for bn, warps, bm, stages, *flags in tiles or GLUON_TILES:
-        if bm not in ((8, ) if bucket == 8 else (bucket, max(16, bucket // 2))):
+        gc = flags[3] if len(flags) > 3 and flags[0] else 0
+        if gc:  # one row of x, BLOCK_M columns: x's row in column i % BLOCK_M of tile i
+            if m != 1:
+                continue
+        elif bm not in ((8, ) if bucket == 8 else (bucket, max(16, bucket // 2))):
             continue
         ws, nc = bool(flags and flags[0]), (flags[1] if len(flags) > 1 and flags[0] else 1)
         ns = flags[2] if len(flags) > 2 and flags[0] else 1
@@ -72,10 +83,12 @@ def gluon_configs(m: int, n: int, k: int, split_rows: int, tiles: list[tuple] | 
         for split in GLUON_SPLITS:
             if (k // BLOCK_K) % (2 * split * nc) or (split * nc > 1 and m > split_rows) or (split > 1 and ns > 1):
                 continue
+
             if split > 1 and blocks * split > 528:
                 continue
             out.append(dict(BLOCK_N=bn, num_warps=warps, BLOCK_M=bm, STAGES=stages, SPLIT_K=split, WS=ws,
-                            **({"NC": nc} if nc > 1 else {}), **({"NS": ns} if ns > 1 else {})))
+                            **({"NC": nc} if nc > 1 else {}), **({"NS": ns} if ns > 1 else {}),
+                            **({"GC": gc} if gc else {})))
     return out
 
 
@@ -126,7 +139,7 @@ def disk_cache(device: torch.device) -> TuneCache:
         fingerprint = dict(gpu=props.name, capability=f"{props.major}.{props.minor}", sms=props.multi_processor_count,
                            torch=torch.__version__, triton=triton.__version__, source=source_hash(*sources),
                            pdl=bool(ANY_PDL and wq_gluon_mod.PDL), pdl_late=str(wq_gluon_mod.PDL_LATE),
-                           pdl_late_rows=wq_gluon_mod.PDL_LATE_ROWS, ns=GLUON_NS)
+                           pdl_late_rows=wq_gluon_mod.PDL_LATE_ROWS, ns=GLUON_NS, gc=GLUON_GC)
         cache = _disk[index] = TuneCache("wq_gluon", fingerprint)
     return cache
 
@@ -137,11 +150,12 @@ def tuned_config(x: torch.Tensor, weight: TiledWeight, out: torch.Tensor, bias: 
     (kernels/tune_cache.py), else timed at first use (warm-up, before CUDA-graph capture) on the
     call's x, over transient copies of the weight (TUNE_BYTES), and written there."""
     (m, k), n = x.shape, weight.shape[0]
-    key = (n, k, weight.group_size, weight.bits, rows_block(m), bias is not None)
+    key = (n, k, weight.group_size, weight.bits, rows_block(m) if m > 1 else 1, bias is not None)
     cfg = _tuned.get(key)
     if cfg is not None:
         return cfg
-    configs = gluon_configs(m, n, k, split_rows, GLUON_TILES + [t for t in GLUON_WS_TILES if GLUON_NS or len(t) < 7])
+    ws_tiles = [t for t in GLUON_WS_TILES if (GLUON_NS or len(t) < 7 or t[6] == 1) and (GLUON_GC or len(t) < 8)]
+    configs = gluon_configs(m, n, k, split_rows, GLUON_TILES + ws_tiles)
     disk = disk_cache(x.device)
     disk_key = TuneCache.key(key + (split_rows, ))
     cfg = disk.get(disk_key)
@@ -208,8 +222,11 @@ def _launch(x: torch.Tensor, words: torch.Tensor, sb: torch.Tensor, group: int, 
     if config.get("WS"):
         from kernels.wq_gluon_ws import _wq_gluon_ws_kernel as kernel
 
-        ns = config.get("NS", 1)
-        extra = dict(maxnreg=WS_NS_MAXNREG if ns > 1 else wq_gluon_mod.WS_MAXNREG[bm])
+        ns, gc = config.get("NS", 1), config.get("GC", 0)
+        extra = dict(maxnreg=WS_NS_MAXNREG if ns > 1 else gc or wq_gluon_mod.WS_MAXNREG[bm], x_ptr=x)
+        if gc:  # its register cap
+            assert m == 1, m
+            extra["GC"] = 1
         if config.get("NC", 1) > 1:
             extra["NC"] = config["NC"]
         if ns > 1:

@@ -15,6 +15,17 @@ instead, 64 each, and both read every stage's x (a stage released by two arrives
 the L2 once for each 128 rows of W, not 64. At 256 rows that re-reading was what bound the
 one-consumer kernel (gate_up: ~0.94 GB of x a call, docs/BENCHMARKS.md); the 8-warp plain kernel
 that halved it lost its gain to the CTA barriers its warps meet at each tile.
+
+With GC (one row of x, the group-column consumer) the scale leaves the unpacking: a tile is unpacked
+to 128 + q (int4: one LOP3 a nibble pair, 7 instructions a word, not 15) or q (int8: 7, not 9) and
+its wgmma adds it times x into column i % 8 of the accumulator, x's one row having been put in row
+i % 8 of tile i's stage by the producer (TMA at row -(i % 8) of a one-row tensor: the rows it
+fills with zeros are the other seven). Each column then holds one tile's sums, exact in fp32, and
+once a block of 8 tiles the consumer waits for its wgmmas and adds s P (int8) or s P + (b - 128 s) X
+(int4; X the tile's sum of x, read from the L2) into the row's total. No weight is rounded to bf16,
+so the outputs are closer to q s + b than the dequantized tile's (relative error 1.6-1.7e-3 against
+2.3e-3). Reading an accumulator while other wgmmas fly made ptxas serialize them (C7514, the
+tile-scale trial in docs/BENCHMARKS.md), so a block ends with its chain drained: one wait in 8 tiles.
 """
 
 from __future__ import annotations
@@ -27,15 +38,17 @@ if HAS_GLUON:
     from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                                   warpgroup_mma_wait)
 
-    from kernels.wq_gluon import _BK, _pdl_wait, _store, _unpack_tile, _words_layout
+    from kernels.wq_gluon import _BK, _pdl_wait, _store, _unpack_tile, _unpack_tile_gc, _words_layout
 
     WS_NC2_REGS = gl.constexpr(64)  # the second consumer warpgroup's registers (a worker partition's)
 
     @gluon.jit
     def _producer(x_desc, w_desc, x_smem, w_smem, ready, empty, off_m, off_n, t0, tiles, STAGES: gl.constexpr,
-                  USE_PDL: gl.constexpr, WPT: gl.constexpr, LATE_LAUNCH: gl.constexpr):
+                  USE_PDL: gl.constexpr, WPT: gl.constexpr, LATE_LAUNCH: gl.constexpr, GC: gl.constexpr = 0):
         """The TMA ring: the weights' first stages before the wait for the kernel before (PDL), x's
-        after, then each tile once the consumer released the tile STAGES before it."""
+        after, then each tile once the consumer released the tile STAGES before it. GC > 0 (one row of
+        x, GC columns): tile i's x lands in row i % GC of its stage, the box's other rows zero (TMA fills rows
+        outside the tensor with zeros, those above its first row too)."""
         nbytes: gl.constexpr = x_desc.block_type.nbytes + w_desc.block_type.nbytes
         for i in gl.static_range(STAGES):
             pred = i < tiles
@@ -44,14 +57,20 @@ if HAS_GLUON:
         if USE_PDL:
             _pdl_wait(not LATE_LAUNCH)  # late: the consumer's wait at the end schedules the next kernel
         for i in gl.static_range(STAGES):
-            tma.async_copy_global_to_shared(x_desc, [off_m, (t0 + i) * _BK], ready.index(i), x_smem.index(i),
+            xrow = off_m
+            if GC:
+                xrow = off_m - i % GC
+            tma.async_copy_global_to_shared(x_desc, [xrow, (t0 + i) * _BK], ready.index(i), x_smem.index(i),
                                             i < tiles)
         for i in range(STAGES, tiles):
             s = i % STAGES
             mbarrier.wait(empty.index(s), (i // STAGES - 1) & 1)
             mbarrier.expect(ready.index(s), nbytes)
             tma.async_copy_global_to_shared(w_desc, [off_n, (t0 + i) * WPT], ready.index(s), w_smem.index(s))
-            tma.async_copy_global_to_shared(x_desc, [off_m, (t0 + i) * _BK], ready.index(s), x_smem.index(s))
+            xrow = off_m
+            if GC:
+                xrow = off_m - i % GC
+            tma.async_copy_global_to_shared(x_desc, [xrow, (t0 + i) * _BK], ready.index(s), x_smem.index(s))
 
     @gluon.jit
     def _consumer_tile(i, t0, tiles, acc, sb, sb_ptrs, x_smem, w_smem, ready, empty, a_layout: gl.constexpr,
@@ -110,12 +129,90 @@ if HAS_GLUON:
                HAS_BIAS, ROWS, BLOCK_M, SPLIT_K * NC, ACT)
 
     @gluon.jit
+    def _gc_tile(i, release, acc, x_smem, w_smem, ready, empty, a_layout: gl.constexpr, w_layout: gl.constexpr,
+                 BLOCK_N: gl.constexpr, STAGES: gl.constexpr, BITS: gl.constexpr):
+        """Tile i of the group-column consumer: its wgmma issued, the tile before retired and (release)
+        its stage released."""
+        stage = i % STAGES
+        mbarrier.wait(ready.index(stage), (i // STAGES) & 1)
+        a = _unpack_tile_gc(w_smem.index(stage).load(w_layout), a_layout, BLOCK_N, BITS)
+        acc = warpgroup_mma(a, x_smem.index(stage).permute((1, 0)), acc, is_async=True)
+        acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))
+        mbarrier.arrive(empty.index((i + STAGES - 1) % STAGES), pred=release)
+        return acc
+
+    @gluon.jit
+    def _gc_block(blk, total, x_ptr, x_offs, x_smem, w_smem, ready, empty, sb_rows, cols, t0, tiles,
+                  a_layout: gl.constexpr, w_layout: gl.constexpr, mma: gl.constexpr, BLOCK_N: gl.constexpr,
+                  STAGES: gl.constexpr, TPG: gl.constexpr, BITS: gl.constexpr, GC: gl.constexpr):
+        """Block blk of GC tiles (nt of them: GC, or the split's last few, an even number), added into
+        total. Its scales (and int4's x) are asked for first, so their latency passes under its tiles."""
+        nt = gl.minimum(tiles - blk * GC, GC)
+        tile0 = t0 + blk * GC
+        sb = gl.load(sb_rows + gl.expand_dims((tile0 + gl.minimum(cols, nt - 1)) // TPG, 0))
+        if BITS == 4:
+            xv = gl.load(x_ptr + tile0 * _BK + x_offs, mask=x_offs < nt * _BK, other=0.0)
+        acc = gl.zeros([BLOCK_N, GC], gl.float32, mma)
+        # two tiles an iteration, not unrolled: the loop stays as small as the other kernels' (the
+        # block unrolled, 8 tiles, was 12-19 KB of code a loop)
+        for p in range(nt // 2):
+            acc = _gc_tile(blk * GC + 2 * p, p > 0, acc, x_smem, w_smem, ready, empty, a_layout, w_layout, BLOCK_N,
+                           STAGES, BITS)
+            acc = _gc_tile(blk * GC + 2 * p + 1, True, acc, x_smem, w_smem, ready, empty, a_layout, w_layout,
+                           BLOCK_N, STAGES, BITS)
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+        mbarrier.arrive(empty.index((blk * GC + nt - 1) % STAGES))
+        if BITS == 8:
+            total += acc * (sb.to(gl.int32) << 16).to(gl.float32, bitcast=True)
+        else:
+            s = (sb << 16).to(gl.float32, bitcast=True)
+            b = (sb & -65536).to(gl.float32, bitcast=True)
+            xs = gl.convert_layout(gl.sum(xv.to(gl.float32), axis=1), gl.SliceLayout(0, mma))
+            total += acc * s + gl.expand_dims(xs, 0) * (b - 128.0 * s)
+        return total
+
+    @gluon.jit
+    def _consumer_gc(x_ptr, x_smem, w_smem, ready, empty, sb_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr, act_ptr, M, N,
+                     stride_sb, stride_om, off_n, pid_n, t0, tiles, GROUP: gl.constexpr, HAS_BIAS: gl.constexpr,
+                     BLOCK_N: gl.constexpr, STAGES: gl.constexpr, SPLIT_K: gl.constexpr, USE_PDL: gl.constexpr,
+                     num_warps: gl.constexpr, BITS: gl.constexpr, ACT: gl.constexpr, GC: gl.constexpr):
+        """The group-column consumer (one row of x; the module docstring): tile i's wgmma adds the
+        unpacked tile without its scale (int4 128 + q, int8 q) times x into column i % GC, where the
+        producer put x's row; once a block of GC tiles, the accumulator's column j (tile j's sums P_j,
+        exact in fp32) is scaled into the row's total, s_j P_j (int8) or s_j P_j + (b_j - 128 s_j) X_j
+        (int4, X_j the tile's sum of x), and the next block starts from zero. A split's last block
+        may be partial (down's 28 tiles a split of 4: three blocks of 8 and one of 4)."""
+        mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                      instr_shape=[16, GC, 16])
+        a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
+        w_layout: gl.constexpr = _words_layout(BLOCK_N, num_warps, BITS)
+        # x's GC tiles of a block, 8 columns a thread: their sums (int4's bias term)
+        xl: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [num_warps, 1], [1, 0])
+        rows = gl.minimum(off_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, mma)), N - 1)
+        cols = gl.arange(0, GC, layout=gl.SliceLayout(0, mma))
+        sb_rows = sb_ptr + gl.expand_dims(rows.to(gl.int64) * stride_sb, 1)
+        x_offs = gl.expand_dims(gl.arange(0, GC, layout=gl.SliceLayout(1, xl)), 1) * _BK + \
+            gl.expand_dims(gl.arange(0, _BK, layout=gl.SliceLayout(0, xl)), 0)
+        TPG: gl.constexpr = GROUP // _BK
+        if USE_PDL:  # x is read here too, not only through the producer's TMA
+            _pdl_wait(False)
+        total = gl.zeros([BLOCK_N, GC], gl.float32, mma)
+        for blk in range(gl.cdiv(tiles, GC)):
+            total = _gc_block(blk, total, x_ptr, x_offs, x_smem, w_smem, ready, empty, sb_rows, cols, t0, tiles,
+                              a_layout, w_layout, mma, BLOCK_N, STAGES, TPG, BITS, GC)
+        out = gl.where(gl.expand_dims(cols, 0) == 0, gl.expand_dims(gl.sum(total, axis=1), 1), 0.0)
+        if USE_PDL:  # out and ws only after the kernel before; the next one scheduled now
+            _pdl_wait()
+        _store(out, off_n, 0, pid_n, 0, bias_ptr, out_ptr, ws_ptr, cnt_ptr, act_ptr, M, N, stride_om, mma, HAS_BIAS,
+               BLOCK_N, GC, SPLIT_K, ACT)
+
+    @gluon.jit
     def _wq_gluon_ws_kernel(x_desc, w_desc, sb_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr, act_ptr, M, N, K, stride_sb,
                             stride_om, GROUP: gl.constexpr, HAS_BIAS: gl.constexpr, BLOCK_N: gl.constexpr,
                             BLOCK_M: gl.constexpr, STAGES: gl.constexpr, SPLIT_K: gl.constexpr,
                             num_warps: gl.constexpr, INFLIGHT: gl.constexpr = 1, USE_PDL: gl.constexpr = False,
                             BITS: gl.constexpr = 4, LATE_LAUNCH: gl.constexpr = False, NC: gl.constexpr = 1,
-                            ACT: gl.constexpr = False, NS: gl.constexpr = 1):
+                            ACT: gl.constexpr = False, NS: gl.constexpr = 1, x_ptr=None, GC: gl.constexpr = 0):
         """_wq_gluon_kernel's arguments and grid (INFLIGHT is always 1 here); num_warps 4: the
         consumer warpgroup (BLOCK_N 64 or 128), plus one producer warp; NC 2: and a second consumer
         warpgroup (_consumer_tile); NS 2: and a second consumer warpgroup, each taking 64 of the
@@ -167,6 +264,14 @@ if HAS_GLUON:
                              stride_om, off_m, off_n, gl.program_id(0), gl.program_id(1), t0, tiles, GROUP, HAS_BIAS,
                              BLOCK_N, BLOCK_M, STAGES, SPLIT_K, USE_PDL, num_warps, BITS, ACT, 1, 2)),
             ], [1, 4], [24, WS_NC2_REGS])
+        elif GC:  # one row of x: the group-column consumer, BLOCK_M columns (tiles a block)
+            gl.warp_specialize([
+                (_consumer_gc, (x_ptr, x_smem, w_smem, ready, empty, sb_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr,
+                                act_ptr, M, N, stride_sb, stride_om, off_n, gl.program_id(0), t0, tiles, GROUP,
+                                HAS_BIAS, BLOCK_N, STAGES, SPLIT_K, USE_PDL, num_warps, BITS, ACT, BLOCK_M)),
+                (_producer, (x_desc, w_desc, x_smem, w_smem, ready, empty, off_m, off_n, t0, tiles, STAGES, USE_PDL,
+                             WPT, LATE_LAUNCH, BLOCK_M)),
+            ], [1], [24])
         else:
             gl.warp_specialize([
                 (_consumer, (x_smem, w_smem, ready, empty, sb_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr, act_ptr, M, N,

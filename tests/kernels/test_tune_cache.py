@@ -108,7 +108,7 @@ def test_the_gluon_tuner_takes_a_cached_config_and_never_a_stale_one(monkeypatch
     weight = TiledWeight(torch.zeros(n, k // 8, dtype=torch.int32), torch.zeros(n, k // 128, dtype=torch.int32), 128)
     x, out = torch.zeros(1, k, dtype=torch.bfloat16), torch.empty(1, n, dtype=torch.bfloat16)
     configs = wq_gluon_tune.gluon_configs(1, n, k, 64, wq_gluon_tune.GLUON_TILES + wq_gluon_tune.GLUON_WS_TILES)
-    key = TuneCache.key((n, k, 128, 4, 8, False, 64))
+    key = TuneCache.key((n, k, 128, 4, 1, False, 64))  # one row of x: its own bucket (the GC tiles)
     disk.put(key, configs[-1])
     assert wq_gluon_tune.tuned_config(x, weight, out, None, None, None, 64) == configs[-1]
     assert timed == []
