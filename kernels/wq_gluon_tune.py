@@ -62,28 +62,35 @@ def rows_block(m: int) -> int:
     return min(256, max(8, 1 << (m - 1).bit_length()))
 
 
+def tile_flags(tile: tuple) -> tuple[bool, int, int, int]:
+    """A tile tuple's fields after (BLOCK_N, num_warps, BLOCK_M, STAGES): (WS, NC, NS, GC), each
+    at its default (False, 1, 1, 0) where the tuple stops or the tile is the plain kernel's."""
+    ws = len(tile) > 4 and bool(tile[4])
+    given = tuple(tile[5:8]) if ws else ()
+    nc, ns, gc = given + (1, 1, 0)[len(given):]
+    return ws, nc, ns, gc
+
+
 def gluon_configs(m: int, n: int, k: int, split_rows: int, tiles: list[tuple] | None = None) -> list[dict]:
     """The tiles (GLUON_TILES, or ``tiles``) worth timing for ``m`` rows: BLOCK_M at the rows'
     bucket or half of it (from 16; 8 rows or fewer: 8 only), K splits into equal, even numbers of
     tiles while the blocks are few (~4 waves of 132 SMs). K must be an even number of tiles (gluon_fits)."""
     bucket = rows_block(m)
     out = []
-    for bn, warps, bm, stages, *flags in tiles or GLUON_TILES:
-        gc = flags[3] if len(flags) > 3 and flags[0] else 0
+    for tile in tiles or GLUON_TILES:
+        bn, warps, bm, stages = tile[:4]
+        ws, nc, ns, gc = tile_flags(tile)
         if gc:  # one row of x, BLOCK_M columns: x's row in column i % BLOCK_M of tile i
             if m != 1:
                 continue
         elif bm not in ((8, ) if bucket == 8 else (bucket, max(16, bucket // 2))):
             continue
-        ws, nc = bool(flags and flags[0]), (flags[1] if len(flags) > 1 and flags[0] else 1)
-        ns = flags[2] if len(flags) > 2 and flags[0] else 1
         if ns > 1 and m < 33:  # a CTA an SM and no K split: for the many rows only
             continue
         blocks = -(-n // bn) * -(-m // bm)
         for split in GLUON_SPLITS:
             if (k // BLOCK_K) % (2 * split * nc) or (split * nc > 1 and m > split_rows) or (split > 1 and ns > 1):
                 continue
-
             if split > 1 and blocks * split > 528:
                 continue
             out.append(dict(BLOCK_N=bn, num_warps=warps, BLOCK_M=bm, STAGES=stages, SPLIT_K=split, WS=ws,
@@ -154,7 +161,7 @@ def tuned_config(x: torch.Tensor, weight: TiledWeight, out: torch.Tensor, bias: 
     cfg = _tuned.get(key)
     if cfg is not None:
         return cfg
-    ws_tiles = [t for t in GLUON_WS_TILES if (GLUON_NS or len(t) < 7 or t[6] == 1) and (GLUON_GC or len(t) < 8)]
+    ws_tiles = [t for t in GLUON_WS_TILES if (GLUON_NS or tile_flags(t)[2] == 1) and (GLUON_GC or not tile_flags(t)[3])]
     configs = gluon_configs(m, n, k, split_rows, GLUON_TILES + ws_tiles)
     disk = disk_cache(x.device)
     disk_key = TuneCache.key(key + (split_rows, ))
