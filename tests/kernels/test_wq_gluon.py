@@ -300,13 +300,16 @@ for bits, cfg, k in (
         (8, dict(BLOCK_N=64, num_warps=4, BLOCK_M=8, STAGES=4, SPLIT_K=2, WS=True, NC=2), 1024),
         (4, dict(BLOCK_N=128, num_warps=4, BLOCK_M=16, STAGES=4, SPLIT_K=2, WS=False), 512),
         (4, dict(BLOCK_N=64, num_warps=4, BLOCK_M=64, STAGES=4, SPLIT_K=1, WS=False), 512),
-        (8, dict(BLOCK_N=128, num_warps=8, BLOCK_M=16, STAGES=4, SPLIT_K=1, WS=False), 512)):
+        (8, dict(BLOCK_N=128, num_warps=8, BLOCK_M=16, STAGES=4, SPLIT_K=1, WS=False), 512),
+        # the group-column consumer (one row of x): a partial block of 4 tiles, unsplit and split
+        (8, dict(BLOCK_N=64, num_warps=4, BLOCK_M=8, STAGES=4, SPLIT_K=1, WS=True, GC=64), 512),
+        (4, dict(BLOCK_N=64, num_warps=4, BLOCK_M=8, STAGES=4, SPLIT_K=2, WS=True, GC=80), 1024)):
     w = quantize(torch.randn(1024, k), bits, 128)  # gate|up of I = 512
     w.scales = w.scales.bfloat16().cuda()
     w.biases = None if w.biases is None else w.biases.bfloat16().cuda()
     w.qweight = w.qweight.cuda()
     tiles = wq_matmul.prepare(w)
-    for rows in (1, 5, 16):
+    for rows in (1, ) if cfg.get("GC") else (1, 5, 16):
         x = torch.randn(rows, k, dtype=torch.bfloat16, device="cuda")
         two = silu_and_mul(wq_matmul.wq_matmul(x, tiles, config=cfg, path="gluon"))
         for _ in range(2):  # twice: the pair counters are back at zero after a call
@@ -318,8 +321,9 @@ for bits, cfg, k in (
         ref = silu_and_mul_ref((x.float() @ w.dequantize().float().T).bfloat16()).float()
         assert (act.float() - ref).norm() <= 1e-2 * ref.norm(), (bits, cfg, rows)
         print("ok", bits, cfg, rows)
-    x = torch.randn(wq_matmul.SILU_MAX_ROWS + 1, k, dtype=torch.bfloat16, device="cuda")
-    assert wq_matmul.wq_matmul_silu(x, tiles, config=cfg) is None  # past SILU_MAX_ROWS: the two kernels
+    if not cfg.get("GC"):  # (GC takes one row only)
+        x = torch.randn(wq_matmul.SILU_MAX_ROWS + 1, k, dtype=torch.bfloat16, device="cuda")
+        assert wq_matmul.wq_matmul_silu(x, tiles, config=cfg) is None  # past SILU_MAX_ROWS: the two kernels
 print("silu epilogue: all ok")
 
 '''
