@@ -61,6 +61,8 @@ def bench_kernels(ceilings: dict, rows_list: list[int], sweep: bool) -> dict:
         w = torch.randn(n, k, device=dev, dtype=torch.bfloat16) * 0.02
         formats = {"bf16": w}
         for bits in ((8,) if name == "lm_head" else (8, 4)):
+            if f"int{bits}" not in configs:
+                continue
             q = quantize(w, bits, 128)
             q.scales, q.biases = q.scales.bfloat16(), None if q.biases is None else q.biases.bfloat16()
             formats[f"int{bits}"] = q
@@ -168,11 +170,12 @@ def sweep_gluon(x: torch.Tensor, ws: list, ref: torch.Tensor, tag: str, tiles: l
 
 def bench_decode(ceilings: dict, rows_list: list[int], sweep: bool, swap_sweep: list[int] = (),
                  shapes: list[str] | None = None, only: list[str] | None = None, gluon_sweep: list[int] = (),
-                 gluon_tiles: list[tuple] | None = None, gluon_inflight: tuple[int, ...] = (1,)) -> dict:
+                 gluon_tiles: list[tuple] | None = None, gluon_inflight: tuple[int, ...] = (1,),
+                 configs: list[str] = ("int8", "int4")) -> dict:
     """Each path (kernels/wq_matmul.py) per projection and row count, timed in CUDA graphs over
     enough weight copies to miss the L2; with ``sweep`` the GEMV's tiles and splits at 1 row, and
     at the rows in ``swap_sweep`` the swapped kernel's (swap_sweep_configs); ``only``: these paths
-    (and bf16, chosen)."""
+    (and bf16, chosen); ``configs``: the formats (--configs; bf16 always)."""
     from kernels.wq_gluon import gluon_fits, tile_weight
     from kernels.wq_matmul import (DECODE_MAX_ROWS, GEMV_MAX_ROWS, GEMV_SPLITS, GEMV_TILES, GLUON_ROWS, decode_path,
                                    tiles_fit, wq_matmul)
@@ -188,6 +191,8 @@ def bench_decode(ceilings: dict, rows_list: list[int], sweep: bool, swap_sweep: 
         w = torch.randn(n, k, device=dev, dtype=torch.bfloat16) * 0.02
         formats = {"bf16": [w] + [w.clone() for _ in range(max(2, -(-256 * 2**20 // (n * k * 2))) - 1)]}
         for bits in ((8,) if name == "lm_head" else (8, 4)):
+            if f"int{bits}" not in configs:
+                continue
             q = quantize(w, bits, 128)
             q.scales, q.biases = q.scales.bfloat16(), None if q.biases is None else q.biases.bfloat16()
             cp = max(2, -(-256 * 2**20 // q.nbytes()))
@@ -441,7 +446,7 @@ def main() -> None:
             res["decode"] = bench_decode(res["ceilings"], args.decode_rows, args.sweep_gemv, args.swap_sweep,
                                          args.shapes, args.paths, args.gluon_sweep,
                                          [tuple(map(int, t.split(":"))) for t in args.gluon_tiles or []] or None,
-                                         tuple(args.gluon_inflight))
+                                         tuple(args.gluon_inflight), args.configs)
         finally:
             if args.out:
                 Path(args.out).write_text(json.dumps(res, indent=1))
