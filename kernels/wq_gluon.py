@@ -210,14 +210,18 @@ if HAS_GLUON:
         ("lop3.b32 t, $4, " if i == 0 else f"shr.u32 t, $4, {4 * i}; lop3.b32 t, t, ")
         + f"0x000F000F, 0x43004300, 0xEA; sub.rn.bf16x2 t, t, m; fma.rn.bf16x2 ${i}, t, $5, $6; " for i in range(4))
         + "}")
-    # an int8 word's 4 bytes (u = q + 128) -> 2 bf16x2 registers (q s): $0 bytes (0, 2), $1 bytes
-    # (1, 3), from the word $2 and (s, s) $3 (module docstring); LOP3 0xEA: (a & b) | c, 0xAE: (~a & b) | c
-    _UNPACK8 = gl.constexpr("{ .reg .b32 t, a, b; " + "".join(
-        ("" if i == 0 else "shr.u32 t, $2, 8; ")
-        + f"lop3.b32 a, {'$2' if i == 0 else 't'}, 0x007F007F, 0x43004300, 0xEA; "  # 128 + (u & 127)
-        + f"lop3.b32 b, {'$2' if i == 0 else 't'}, 0x00800080, 0x43004300, 0xAE; "  # u < 128 ? 256 : 128
-        + f"sub.rn.bf16x2 a, a, b; mul.rn.bf16x2 ${i}, a, $3; "
-        for i in range(2)) + "}")
+    def _unpack8_asm(scaled: bool) -> str:
+        """An int8 word's 4 bytes (u = q + 128) -> 2 bf16x2 registers: $0 bytes (0, 2), $1 bytes (1, 3),
+        from the word $2; q s with (s, s) $3 (scaled), else q (the group-column kernel's). Module
+        docstring; LOP3 0xEA: (a & b) | c, 0xAE: (~a & b) | c."""
+        return "{ .reg .b32 t, a, b; " + "".join(
+            ("" if i == 0 else "shr.u32 t, $2, 8; ")
+            + f"lop3.b32 a, {'$2' if i == 0 else 't'}, 0x007F007F, 0x43004300, 0xEA; "  # 128 + (u & 127)
+            + f"lop3.b32 b, {'$2' if i == 0 else 't'}, 0x00800080, 0x43004300, 0xAE; "  # u < 128 ? 256 : 128
+            + (f"sub.rn.bf16x2 a, a, b; mul.rn.bf16x2 ${i}, a, $3; " if scaled else f"sub.rn.bf16x2 ${i}, a, b; ")
+            for i in range(2)) + "}"
+
+    _UNPACK8 = gl.constexpr(_unpack8_asm(scaled=True))
 
     # the group-column kernel's unpacking (kernels/wq_gluon_ws.py, one row of x): the scale and bias
     # leave the weight, applied to the tile's sums once a block of 8 tiles. int4: a word's 8 nibbles
@@ -225,13 +229,8 @@ if HAS_GLUON:
     _UNPACK_GC = gl.constexpr("{ .reg .b32 t; " + "".join(
         ("lop3.b32 $0, $4, " if i == 0 else f"shr.u32 t, $4, {4 * i}; lop3.b32 ${i}, t, ")
         + "0x000F000F, 0x43004300, 0xEA; " for i in range(4)) + "}")
-    # int8: a word's 4 bytes (u = q + 128) -> q exactly, without the scale: 7 instructions a word, not 9
-    _UNPACK8_GC = gl.constexpr("{ .reg .b32 t, a, b; " + "".join(
-        ("" if i == 0 else "shr.u32 t, $2, 8; ")
-        + f"lop3.b32 a, {'$2' if i == 0 else 't'}, 0x007F007F, 0x43004300, 0xEA; "
-        + f"lop3.b32 b, {'$2' if i == 0 else 't'}, 0x00800080, 0x43004300, 0xAE; "
-        + f"sub.rn.bf16x2 ${i}, a, b; "
-        for i in range(2)) + "}")
+    # int8: q exactly, without the scale: 7 instructions a word, not 9
+    _UNPACK8_GC = gl.constexpr(_unpack8_asm(scaled=False))
 
     @gluon.constexpr_function
     def _words_layout(block_n, num_warps, bits=4):
