@@ -22,7 +22,9 @@ kernels  each Llama-3.1-8B projection (and the LM head in int8) at 1, 8, 16, 64 
          once every request decodes; CUDA graphs and the lookahead as served), the weight bytes a
          step reads and their floor at the copy rate, and workload (b) of gpu_engine.py (256
          requests, prompt and output U[100, 1024], all at once) output tok/s; --profile-batch B: the
-         GPU time of a decode step at batch B by kernel (torch.profiler)
+         GPU time of a decode step at batch B by kernel (torch.profiler): each kernel's span, and its
+         marginal time (its end after the end of the kernel before it: under PDL these add up to
+         the step where the spans overlap) with the device's idle time before it
 """
 
 from __future__ import annotations
@@ -329,9 +331,26 @@ def profile_decode(engine, batch: int, vocab: int, rng: random.Random, steps: in
         torch.cuda.synchronize()
     while engine.has_unfinished():
         engine.step()
-    rows = [{"kernel": e.key[:120], "us_a_step": e.device_time_total / steps, "calls_a_step": e.count / steps}
-            for e in prof.key_averages() if e.device_time_total > 0]
-    return sorted(rows, key=lambda r: -r["us_a_step"])[:30]
+    rows = {e.key[:120]: {"kernel": e.key[:120], "us_a_step": e.device_time_total / steps, "calls_a_step": e.count / steps}
+            for e in prof.key_averages() if e.device_time_total > 0}
+    spans = [(e.time_range.start, e.time_range.end, e.name[:120]) for e in prof.events()
+             if e.device_type == torch.autograd.DeviceType.CUDA and e.name[:120] in rows]
+    for name, (marginal, idle) in marginal_times(spans).items():
+        rows[name].update(marginal_us_a_step=marginal / steps, idle_before_us_a_step=idle / steps)
+    return sorted(rows.values(), key=lambda r: -r.get("marginal_us_a_step", 0) - r.get("idle_before_us_a_step", 0))[:30]
+
+
+def marginal_times(spans: list[tuple[float, float, str]]) -> dict[str, tuple[float, float]]:
+    """Per kernel name, from (start, end, name) spans on one stream: (marginal, idle before). Under
+    PDL the spans overlap (a kernel starts while the one before drains), so their durations say
+    what runs, not what costs; a kernel's end after the end of the one before it does, and those
+    add up to the whole span; idle: the device waiting (no kernel) before the kernel starts."""
+    out: dict[str, tuple[float, float]] = {}
+    spans = sorted(spans, key=lambda s: s[1])
+    for (_, end0, _), (start, end, name) in zip(spans, spans[1:]):
+        marginal, idle = out.get(name, (0.0, 0.0))
+        out[name] = (marginal + end - max(start, end0), idle + max(0.0, start - end0))
+    return out
 
 
 def run_engine(quantization: str, args) -> dict:
@@ -361,8 +380,10 @@ def run_engine(quantization: str, args) -> dict:
             res["profile"] = []
             print(f"{quantization}: profile failed: {type(exc).__name__} {exc}", flush=True)
         print(f"{quantization}: batch {args.profile_batch}, GPU time a decode step by kernel (us):", flush=True)
-        for row in res["profile"][:15]:
-            print(f"  {row['us_a_step']:9.1f} {row['calls_a_step']:6.1f}x  {row['kernel'][:90]}", flush=True)
+        print("  marginal   idle before   span   calls   (us a step)", flush=True)
+        for row in res["profile"][:20]:
+            print(f"  {row.get('marginal_us_a_step', 0):9.1f} {row.get('idle_before_us_a_step', 0):9.1f} {row['us_a_step']:9.1f} "
+                  f"{row['calls_a_step']:6.1f}x  {row['kernel'][:90]}", flush=True)
     for b, ms in res["decode_ms"].items():
         print(f"{quantization}: batch {b}: {ms:.3f} ms a step (weights' floor {res['floor_ms']:.3f} ms)", flush=True)
     if args.skip_b:

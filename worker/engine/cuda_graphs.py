@@ -77,28 +77,43 @@ class DecodeGraphs:
         """Logits [b, vocab] of one decode step of b sequences (``ids_device``: the ids, on the device)."""
         b = len(ids)
         size = next(s for s in self.sizes if s >= b)
-        h_tables, h_vec, h_ctx_order = self.staging[self._turn]
+        staging = self.staging[self._turn]
         self._turn ^= 1
-        vec = h_vec.numpy()
-        vec[0, :size] = 0
-        vec[1, :size] = 0
-        vec[2, :size] = -1
-        vec[0, :b], vec[1, :b], vec[2, :b] = ids, positions, slots
-        t = h_tables.numpy()
-        t[:size] = 0
-        for i, row in enumerate(tables):
-            t[i, : len(row)] = row
-        c = h_ctx_order.numpy()
-        c[0, :size] = 0
-        c[0, :b] = context_lens
-        c[1, :size] = np.argsort(-c[0, :size], kind="stable")
-        self.ids[:size].copy_(h_vec[0, :size], non_blocking=True)
+        copies = stage_decode_inputs(staging, (self.ids, self.positions, self.slots, self.tables, self.ctx_order),
+                                     size, ids, positions, slots, tables, context_lens)
+        for dst, src in copies:
+            dst.copy_(src, non_blocking=True)
         if ids_device is not None:
             self.ids[:b].copy_(ids_device)
-        self.positions[:size].copy_(h_vec[1, :size], non_blocking=True)
-        self.slots[:size].copy_(h_vec[2, :size], non_blocking=True)
-        self.tables[:size].copy_(h_tables[:size], non_blocking=True)
-        self.ctx_order[:, :size].copy_(h_ctx_order[:, :size], non_blocking=True)
         graph, logits = self.graphs[size]
         graph.replay()
         return logits[:b]
+
+
+def stage_decode_inputs(staging: tuple[torch.Tensor, torch.Tensor, torch.Tensor], buffers: tuple, size: int,
+                        ids: list[int], positions: list[int], slots: list[int], tables: list[list[int]],
+                        context_lens: list[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Fill one set of host staging (tables [n, width], ids|positions|slots [3, n], contexts|order
+    [2, n]) for a graph of ``size`` rows and return the (device buffer, host source) copies that
+    move it. Every source is one contiguous block of the staging: a strided one is copied through a
+    pageable temporary, which waits for everything queued before it (with the lookahead, the step
+    in flight: the device then idled while the host caught up; docs/BENCHMARKS.md). The context
+    rows go whole (width n), their columns past ``size`` unread by this size's graph."""
+    h_tables, h_vec, h_ctx_order = staging
+    d_ids, d_positions, d_slots, d_tables, d_ctx_order = buffers
+    b = len(ids)
+    vec = h_vec.numpy()
+    vec[0, :size] = 0
+    vec[1, :size] = 0
+    vec[2, :size] = -1
+    vec[0, :b], vec[1, :b], vec[2, :b] = ids, positions, slots
+    t = h_tables.numpy()
+    t[:size] = 0
+    for i, row in enumerate(tables):
+        t[i, : len(row)] = row
+    c = h_ctx_order.numpy()
+    c[0, :size] = 0
+    c[0, :b] = context_lens
+    c[1, :size] = np.argsort(-c[0, :size], kind="stable")
+    return [(d_ids[:size], h_vec[0, :size]), (d_positions[:size], h_vec[1, :size]),
+            (d_slots[:size], h_vec[2, :size]), (d_tables[:size], h_tables[:size]), (d_ctx_order, h_ctx_order)]
