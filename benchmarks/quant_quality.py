@@ -130,7 +130,7 @@ def main() -> None:
     t_start = time.monotonic()
     common = dict(model=args.model, max_num_batched_tokens=512, kv_cache_bytes=512 * 2**20,
                   enable_prefix_caching=False, quantization_group_size=args.group_size)
-    base = LLMEngine(EngineConfig(**common))
+    base = LLMEngine(EngineConfig(**common, quantization="none"))  # a GGUF's default is auto: the dense reference
     from tests.conftest import PROMPTS
 
     parity = [base.tokenize(messages=[{"role": "user", "content": p}]) for p in PROMPTS[:-1]]
