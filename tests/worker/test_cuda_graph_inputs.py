@@ -1,7 +1,7 @@
 """The decode graphs' host side (worker/engine/cuda_graphs.py ``stage_decode_inputs``): what a
 step writes into the graph's input buffers, padded rows included, and that every copy reads one
-contiguous block of the staging (a strided source goes through a pageable temporary, which waits
-for the step in flight). The graphs themselves need CUDA; the staging and the copies are plain
+contiguous block of the staging (a strided source goes through a pageable temporary and a scatter
+kernel). The graphs themselves need CUDA; the staging and the copies are plain
 tensors, run here on the CPU as the engine runs them on a GPU."""
 
 from __future__ import annotations
@@ -26,7 +26,6 @@ def _step(staging, device, size, ids, positions, slots, tables, context_lens):
     for dst, src in copies:
         assert src.is_contiguous(), src.shape  # one block of the pinned staging: an async copy
         dst.copy_(src)
-    return copies
 
 
 def test_a_step_fills_the_graph_rows_and_pads_the_rest():

@@ -95,9 +95,9 @@ def stage_decode_inputs(staging: tuple[torch.Tensor, torch.Tensor, torch.Tensor]
                         context_lens: list[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Fill one set of host staging (tables [n, width], ids|positions|slots [3, n], contexts|order
     [2, n]) for a graph of ``size`` rows and return the (device buffer, host source) copies that
-    move it. Every source is one contiguous block of the staging: a strided one is copied through a
-    pageable temporary, which waits for everything queued before it (with the lookahead, the step
-    in flight: the device then idled while the host caught up; docs/BENCHMARKS.md). The context
+    move it. Every source is one contiguous block of the staging, so each is one async copy: a
+    strided one goes through a pageable temporary and a scatter kernel on the device (two more
+    operations a step; on an H200 their step time did not show, docs/BENCHMARKS.md). The context
     rows go whole (width n), their columns past ``size`` unread by this size's graph."""
     h_tables, h_vec, h_ctx_order = staging
     d_ids, d_positions, d_slots, d_tables, d_ctx_order = buffers
