@@ -77,8 +77,7 @@ def _stream_kernel(w_desc, out_ptr, tiles, RSTEP_N: gl.constexpr, RSTEP_T: gl.co
                        [1], [24])
 
 
-def run(n: int, kw: int, bn: int, bw: int, stages: int, split: int, tile_major: bool, maxnreg: int,
-        swizzle: bool = True) -> dict:
+def run(n: int, kw: int, bn: int, bw: int, stages: int, split: int, tile_major: bool, maxnreg: int) -> dict:
     """Words [n, kw] int32 read in [bn, bw] boxes (tile_major: each bn x bw tile stored contiguously,
     read as [bn bw / 32, 32] boxes), n / bn x split programs."""
     copies = max(2, TUNE_BYTES // (n * kw * 4))
@@ -92,8 +91,7 @@ def run(n: int, kw: int, bn: int, bw: int, stages: int, split: int, tile_major: 
         br, bc = bn, bw
         ws = [torch.randint(-2**31, 2**31 - 1, (n, kw), dtype=torch.int32, device="cuda") for _ in range(copies)]
         steps = dict(RSTEP_N=bn, RSTEP_T=0, CSTEP_N=0, CSTEP_T=bw)
-    layout = (gl.NVMMASharedLayout.get_default_for([br, bc], gl.int32) if swizzle
-              else gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2))
+    layout = gl.NVMMASharedLayout.get_default_for([br, bc], gl.int32)
     descs = [TensorDescriptor(w, list(w.shape), [w.stride(0), 1], [br, bc], layout) for w in ws]
     tiles = kw // bw // split
     out = torch.empty(n // bn * split, dtype=torch.int32, device="cuda")
@@ -105,7 +103,7 @@ def run(n: int, kw: int, bn: int, bw: int, stages: int, split: int, tile_major: 
     us = graph_us([lambda d=d: call(d) for d in descs])
     nbytes = n * kw * 4
     return dict(n=n, kw=kw, box=[br, bc], tile=[bn, bw], stages=stages, split=split, tile_major=tile_major,
-                swizzle=swizzle, maxnreg=maxnreg, us=us, tbps=nbytes / us / 1e6)
+                maxnreg=maxnreg, us=us, tbps=nbytes / us / 1e6)
 
 
 def main() -> None:
