@@ -1,7 +1,8 @@
 """GPU correctness of the engine's fast path: the Triton backend, fused kernels and CUDA graphs
 give the same greedy tokens as the plain torch path on the same weights (fp32, so any difference
 is a bug, not rounding), across mixed prompt lengths, shared prefixes, chunked prefill and
-decode batches of several graph sizes.
+decode batches of several graph sizes; and speculative decoding's verify graphs against the same
+reference.
 
     python benchmarks/gpu_check.py
 """
@@ -57,6 +58,18 @@ def main() -> int:
     sampled_same = sum(a == b for a, b in zip(plain, ahead))
     print(f"seeded sampled sequences equal with and without the lookahead: {sampled_same}/{len(prompts)}")
     fast_engine.close()
+    # Speculative decoding's verify graphs (one row per token): prompts that repeat themselves, so
+    # that the n-gram drafter proposes at most steps; greedy, so the tokens are the reference's.
+    loops = [(shared[:7 + i] * 6)[: 40 + 9 * i] for i in range(6)]
+    loop_ref = ref_engine.generate(loops, sp)
+    spec_engine = LLMEngine(EngineConfig(**common, attention_backend="triton", cuda_graphs=True, num_kv_blocks=512,
+                                         speculative="ngram"), tokenizer=ref_engine.tokenizer, model=ref_engine.model)
+    spec_out = spec_engine.generate(loops, sp)
+    spec_same = sum(a == b for a, b in zip(loop_ref, spec_out))
+    print(f"speculative (ngram, verify graphs {spec_engine.runner.verify_graphs is not None}): greedy sequences "
+          f"equal {spec_same}/{len(loops)}")
+    spec_engine.check_integrity()
+    spec_engine.close()
     # A quantized KV pool: the Triton kernels (store, fused rotary+store, decode, prefill, in graphs)
     # against the torch path's quantize / dequantize on the same weights. Both quantize the same
     # fp32 K/V, so they agree but for a rotary rounding that moves a value across a rounding edge.
@@ -97,7 +110,7 @@ def main() -> int:
               f"{sum(a == b for a, b in zip(outs['fp16'], outs['pairs']))}/{len(prompts)}")
     paged_attention.DECODE_QUANT_DOTS = "pairs"
     bf16_model.close()
-    return 0 if same == len(prompts) and sampled_same == len(prompts) and kv_ok else 1
+    return 0 if same == len(prompts) and sampled_same == len(prompts) and spec_same == len(loops) and kv_ok else 1
 
 
 if __name__ == "__main__":

@@ -5,6 +5,12 @@ replays them in one go. Graphs are captured for a ladder of sizes up to ``max_ba
 padded (slot -1: nothing stored; context 0: a zero row). Block tables are as wide as
 ``max_model_len`` needs, so one graph serves every context length, and the decode kernel's split
 count is fixed per size at capture (decided from that width, never from device data).
+
+Each size is captured twice, over two sets of input buffers used in turn, so that a step's inputs
+are copied in on a stream of their own while the step before still runs (it reads the other set):
+in the compute stream, between two steps, run only the sampler and the ids' copy. One set of
+inputs meant the copies waited behind the step before, five small copies in a row on the critical
+path (~30 µs of a batch-1 step on an H200, docs/BENCHMARKS.md).
 """
 
 from __future__ import annotations
@@ -34,60 +40,84 @@ class DecodeGraphs:
         self.width = -(-max_model_len // block_size)
         self.sizes = graph_sizes(max_batch, size_step)
         n = max(self.sizes)
-        self.ids = torch.zeros(n, dtype=torch.long, device=device)
-        self.positions = torch.zeros(n, dtype=torch.long, device=device)
-        self.slots = torch.full((n,), -1, dtype=torch.long, device=device)
-        self.tables = torch.zeros(n, self.width, dtype=torch.int32, device=device)
-        # Context lengths, and the order the decode kernel starts the sequences in: longest first,
-        # so the short ones fill the tail of the grid (measured: docs/BENCHMARKS.md).
-        self.ctx_order = torch.zeros(2, n, dtype=torch.int32, device=device)
-        # Host staging in pinned memory: one async copy per buffer per step. Two sets, used in
-        # turn: with the lookahead the host fills step N+1's while step N's copies may still be
-        # queued; step N-1's (the same set) have been read by then, since its tokens were.
+        self.inputs = [GraphInputs(n, self.width, device) for _ in range(2)]
+        # Host staging in pinned memory, one per input set: one async copy per buffer per step.
         self.staging = [(torch.zeros(n, self.width, dtype=torch.int32).pin_memory(),
                          torch.zeros(3, n, dtype=torch.long).pin_memory(),  # ids, positions, slots
                          torch.zeros(2, n, dtype=torch.int32).pin_memory()) for _ in range(2)]
         self._turn = 0
-        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self._copy_stream = torch.cuda.Stream(device)
+        self._copied = [torch.cuda.Event() for _ in range(2)]  # set k's copies done: its staging is free
+        self._released = [torch.cuda.Event() for _ in range(2)]  # set k's last replay done: it may be written
+        self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         pool = None
         for size in sorted(self.sizes, reverse=True):  # largest first: later ones reuse its memory
-            meta = AttentionMetadata(
-                slot_mapping=self.slots[:size], query_start=list(range(size + 1)), context_lens=[0] * size,
-                block_tables=[], block_size=block_size, num_decodes=size, kv_caches=kv_caches, backend=backend,
-                extra={"decode_block_tables": self.tables[:size], "decode_context_lens": self.ctx_order[0, :size],
-                       "decode_order": self.ctx_order[1, :size],
-                       "decode_num_splits": default_num_splits(size, num_kv_heads, self.width * block_size, device),
-                       "decode_store_first": store_first},
-            )
-            with forward_context(meta):
-                for _ in range(2):  # warm up (Triton compiles) outside the capture
-                    model.compute_logits(model(self.ids[:size], self.positions[:size]))
-                torch.cuda.synchronize(device)
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool):
-                    logits = model.compute_logits(model(self.ids[:size], self.positions[:size]))
-            pool = graph.pool()
-            self.graphs[size] = (graph, logits)
+            for k, inp in enumerate(self.inputs):
+                meta = AttentionMetadata(
+                    slot_mapping=inp.slots[:size], query_start=list(range(size + 1)), context_lens=[0] * size,
+                    block_tables=[], block_size=block_size, num_decodes=size, kv_caches=kv_caches, backend=backend,
+                    extra={"decode_block_tables": inp.tables[:size], "decode_context_lens": inp.ctx_order[0, :size],
+                           "decode_order": inp.ctx_order[1, :size],
+                           "decode_num_splits": default_num_splits(size, num_kv_heads, self.width * block_size, device),
+                           "decode_store_first": store_first},
+                )
+                with forward_context(meta):
+                    if k == 0:
+                        for _ in range(2):  # warm up (Triton compiles) outside the capture
+                            model.compute_logits(model(inp.ids[:size], inp.positions[:size]))
+                    torch.cuda.synchronize(device)
+                    graph = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(graph, pool=pool):
+                        logits = model.compute_logits(model(inp.ids[:size], inp.positions[:size]))
+                pool = graph.pool()
+                self.graphs[size, k] = (graph, logits)
 
     def fits(self, num_decodes: int) -> bool:
         return 0 < num_decodes <= self.sizes[-1]
 
     def run(self, ids: list[int], positions: list[int], slots: list[int], tables: list[list[int]],
             context_lens: list[int], ids_device: torch.Tensor | None = None) -> torch.Tensor:
-        """Logits [b, vocab] of one decode step of b sequences (``ids_device``: the ids, on the device)."""
+        """Logits [b, vocab] of one decode step of b sequences (``ids_device``: the ids, on the device).
+        The logits are the graph's output buffer: read them before the next replay."""
         b = len(ids)
         size = next(s for s in self.sizes if s >= b)
-        staging = self.staging[self._turn]
+        k = self._turn
         self._turn ^= 1
-        copies = stage_decode_inputs(staging, (self.ids, self.positions, self.slots, self.tables, self.ctx_order),
-                                     size, ids, positions, slots, tables, context_lens)
-        for dst, src in copies:
-            dst.copy_(src, non_blocking=True)
+        inp, staging = self.inputs[k], self.staging[k]
+        # The staging's last copies (two steps ago) have run: this wait is for the host's safety,
+        # and in a steady stream of steps they ran long ago.
+        self._copied[k].synchronize()
+        copies = stage_decode_inputs(staging, inp.buffers(), size, ids, positions, slots, tables, context_lens)
+        compute = torch.cuda.current_stream(inp.ids.device)
+        with torch.cuda.stream(self._copy_stream):
+            self._copy_stream.wait_event(self._released[k])  # the step that read this set is done
+            for dst, src in copies:
+                dst.copy_(src, non_blocking=True)
+            self._copied[k].record(self._copy_stream)
+        compute.wait_event(self._copied[k])
         if ids_device is not None:
-            self.ids[:b].copy_(ids_device)
-        graph, logits = self.graphs[size]
+            inp.ids[:b].copy_(ids_device)
+        graph, logits = self.graphs[size, k]
         graph.replay()
+        self._released[k].record(compute)
         return logits[:b]
+
+
+class GraphInputs:
+    """One set of a graph's static inputs on the device, as wide as the largest graph: ids,
+    positions, slots (-1: store nothing), block tables, and the context lengths with the order the
+    decode kernel starts the sequences in (longest first, so the short ones fill the tail of the
+    grid: measured, docs/BENCHMARKS.md)."""
+
+    def __init__(self, n: int, width: int, device: torch.device):
+        self.ids = torch.zeros(n, dtype=torch.long, device=device)
+        self.positions = torch.zeros(n, dtype=torch.long, device=device)
+        self.slots = torch.full((n,), -1, dtype=torch.long, device=device)
+        self.tables = torch.zeros(n, width, dtype=torch.int32, device=device)
+        self.ctx_order = torch.zeros(2, n, dtype=torch.int32, device=device)
+
+    def buffers(self) -> tuple[torch.Tensor, ...]:
+        return self.ids, self.positions, self.slots, self.tables, self.ctx_order
 
 
 def stage_decode_inputs(staging: tuple[torch.Tensor, torch.Tensor, torch.Tensor], buffers: tuple, size: int,
