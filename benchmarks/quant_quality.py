@@ -26,6 +26,8 @@ activations (worker/models/quantization.py), so a ``none`` row in bf16 (--bf16) 
 from __future__ import annotations
 
 import argparse
+import ctypes
+import gc
 import json
 import math
 import os
@@ -76,6 +78,38 @@ def layer_errors_before_finalize(args, base: LLMEngine, config: EngineConfig) ->
     finally:
         llama.finalize_quantized = real
     return layer_errors(base.model, model)
+
+
+def summarize(r: dict, ref: dict) -> dict:
+    """One setting's results against none's (``ref``): weights, the KV blocks they free,
+    reconstruction errors, perplexity and its logprob deltas, greedy agreement, tasks, speed."""
+    s = {"weight_gib": r["weight_bytes"] / 2**30,
+         # what the weights this setting saves against none buy in KV blocks of this model
+         "kv_blocks_freed": (ref["weight_bytes"] - r["weight_bytes"]) // r["kv_block_bytes"]}
+    if "layers" in r:
+        s["layers"] = r["layers"]
+    if "ppl" in r:
+        lp = r["ppl"]["logprobs"]
+        s["ppl"] = {"perplexity": math.exp(-lp.mean().item()), "tokens": lp.numel(),
+                    **delta(ref["ppl"]["logprobs"], lp)}
+    if "parity" in r:
+        s["parity"] = agreement(ref["parity"]["outputs"], r["parity"]["outputs"])
+    if "tasks" in r:
+        s["tasks"] = {k: v for k, v in r["tasks"].items() if k != "right"}
+        s["tasks"]["agree_with_none"] = sum(a == b for a, b in zip(ref["tasks"]["right"], r["tasks"]["right"]))
+    if "speed" in r:
+        s["speed"] = r["speed"]
+    return s
+
+
+def release_memory() -> None:
+    """Hand a closed engine's memory back to the system: a 1.5B's settings one after another
+    otherwise grow the process past 24 GiB (glibc keeps freed arenas), and the next one is killed."""
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except OSError:  # not glibc
+        pass
 
 
 def tasks_accuracy(engine: LLMEngine, tasks, max_tokens: int) -> dict:
@@ -141,6 +175,9 @@ def main() -> None:
     if args.bf16:
         configs.append(("none bf16", dict(quantization="none", dtype="bfloat16")))
     raw: dict[str, dict] = {}
+    summary: dict[str, dict] = {}
+    results = {"model": args.model, "args": vars(args), "torch": torch.__version__, "cpus": os.cpu_count(),
+               "machine": platform.platform(), "configs": summary}
     for name, overrides in configs:
         engine = base if name == "none" else LLMEngine(EngineConfig(**{**common, **overrides}),
                                                        tokenizer=base.tokenizer)
@@ -148,10 +185,11 @@ def main() -> None:
         block = kv_bytes_per_block(engine.model_config, engine.config.block_size, kv_storage_dtype(engine.config),
                                    engine.model.kv_heads)
         res["kv_block_bytes"] = block
+        config = engine.config
         for part in args.parts:
             t0 = time.monotonic()
-            if part == "layers" and name not in ("none", "none bf16"):
-                res["layers"] = layer_errors_before_finalize(args, base, engine.config)
+            if part == "layers":
+                continue  # below, once this setting's engine is closed (a second model of it is built)
             elif part == "ppl":
                 _, (lp,) = run(engine, text, SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=0))
                 res["ppl"] = {"logprobs": lp}
@@ -164,32 +202,21 @@ def main() -> None:
             elif part == "speed":
                 res["speed"] = [decode_speed(engine, b, args.speed_tokens) for b in args.speed_batches]
             print(f"{name}: {part} {time.monotonic() - t0:.0f} s", flush=True)
-        raw[name] = res
         if engine is not base:
             engine.close()
-
-    ref = raw["none"]
-    summary = {}
-    for name, r in raw.items():
-        s = {"weight_gib": r["weight_bytes"] / 2**30,
-             # what the weights this setting saves against none buy in KV blocks of this model
-             "kv_blocks_freed": (ref["weight_bytes"] - r["weight_bytes"]) // r["kv_block_bytes"]}
-        if "layers" in r:
-            s["layers"] = r["layers"]
-        if "ppl" in r:
-            lp = r["ppl"]["logprobs"]
-            s["ppl"] = {"perplexity": math.exp(-lp.mean().item()), "tokens": lp.numel(),
-                        **delta(ref["ppl"]["logprobs"], lp)}
-        if "parity" in r:
-            s["parity"] = agreement(ref["parity"]["outputs"], r["parity"]["outputs"])
-        if "tasks" in r:
-            s["tasks"] = {k: v for k, v in r["tasks"].items() if k != "right"}
-            s["tasks"]["agree_with_none"] = sum(a == b for a, b in zip(ref["tasks"]["right"], r["tasks"]["right"]))
-        if "speed" in r:
-            s["speed"] = r["speed"]
-        summary[name] = s
-    results = {"model": args.model, "args": vars(args), "torch": torch.__version__, "cpus": os.cpu_count(),
-               "machine": platform.platform(), "configs": summary, "seconds": round(time.monotonic() - t_start, 1)}
+            del engine
+            release_memory()
+        if "layers" in args.parts and name not in ("none", "none bf16"):
+            t0 = time.monotonic()
+            res["layers"] = layer_errors_before_finalize(args, base, config)
+            release_memory()
+            print(f"{name}: layers {time.monotonic() - t0:.0f} s", flush=True)
+        raw[name] = res
+        summary[name] = summarize(res, raw["none"])
+        # Written after each setting: a run of the 1.5B's four settings takes an hour or more.
+        results["seconds"] = round(time.monotonic() - t_start, 1)
+        if args.json:
+            Path(args.json).write_text(json.dumps(results, indent=1))
     print(f"\n{'config':<11}{'GiB':>7}{'blocks+':>9}{'ppl':>9}{'mean|d|':>9}{'max|d|':>8}{'parity':>8}{'tasks':>8}"
           f"  decode tok/s (batch)")
     for name, s in summary.items():
