@@ -103,6 +103,26 @@ def test_a_quantized_checkpoint_serves_packed_by_default():
     assert quant_plan("auto", 128, resolve_model("dummy:tiny"), 2, False) is None
 
 
+def test_int4_at_load_over_a_finer_4bit_checkpoint_says_what_it_costs(caplog):
+    """Rounding a checkpoint's 4-bit weights again onto coarser groups costs quality (measured:
+    docs/BENCHMARKS.md): the plan is made as asked, and the log says so and names the way out."""
+    from contracts.models import resolve_model
+    from worker.models.quantization import quant_plan
+
+    gguf = resolve_model("smollm2-135m")  # Q4_1: 4-bit groups of 32
+    with caplog.at_level("WARNING", logger="worker.models.quantization"):
+        plan = quant_plan("int4", 128, gguf, 30, True)
+    assert plan is not None and plan.spec("model.layers.0.mlp.down_proj").group_size == 128
+    assert "groups of 32" in caplog.text and "--quantization auto" in caplog.text
+    assert "--quantization-group-size 32" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="worker.models.quantization"):
+        quant_plan("int4", 32, gguf, 30, True)  # the checkpoint's own groups: nothing to say
+        quant_plan("int8", 128, gguf, 30, True)
+        quant_plan("int4", 128, resolve_model("dummy:tiny"), 2, False)
+    assert caplog.text == ""
+
+
 def test_config_names_bad_quantization_values():
     with pytest.raises(ValueError, match="quantization must be"):
         EngineConfig(quantization="int3")

@@ -19,6 +19,7 @@ per output channel, so int8 on CPU is per channel; the int4 kernel takes groups 
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -239,9 +240,19 @@ def quant_plan(mode: str, group_size: int, source, num_layers: int, tied: bool) 
     ``auto`` on a float checkpoint (or dummy weights) is None: served as it is."""
     if mode == "none":
         return None
-    if mode in ("int8", "int4"):
-        return uniform_plan(int(mode[3:]), group_size)
     from worker.models.loader import checkpoint_quantization, gguf_formats
+
+    if mode in ("int8", "int4"):
+        if mode == "int4":
+            formats = gguf_formats(source.path).values() if source.kind == "gguf" else [checkpoint_quantization(source)]
+            finer = sorted({f[1] for f in formats if f is not None and f[0] == 4 and f[1] < group_size})
+            if finer:
+                logging.getLogger(__name__).warning(
+                    "--quantization int4 rounds this checkpoint's 4-bit weights (groups of %s) again, onto groups "
+                    "of %d: they land between the two grids (the Qwen2.5-Coder-1.5B's Q4_K_M: perplexity +53%%). "
+                    "--quantization auto serves them as they ship; --quantization-group-size %d keeps their grid",
+                    "/".join(map(str, finer)), group_size, finer[0])
+        return uniform_plan(int(mode[3:]), group_size)
 
     if source.kind == "gguf":
         return checkpoint_plan(gguf_formats(source.path), num_layers, tied)
