@@ -299,6 +299,19 @@ def test_gptq_and_awq_projections_load_packed_and_exact(quantized_folders, metho
 
 
 @pytest.mark.parametrize("method", ["gptq", "awq"])
+def test_int4_at_load_over_a_gptq_or_awq_folder_in_finer_groups_says_so(quantized_folders, method, caplog):
+    from worker.models.quantization import quant_plan
+
+    src = resolve_model(str(quantized_folders[0][method]))  # 4-bit groups of 32
+    with caplog.at_level("WARNING", logger="worker.models.quantization"):
+        quant_plan("int4", 32, src, 2, False)
+    assert caplog.text == ""
+    with caplog.at_level("WARNING", logger="worker.models.quantization"):
+        quant_plan("int4", 128, src, 2, False)
+    assert "groups of 32" in caplog.text and "--quantization-group-size 32" in caplog.text
+
+
+@pytest.mark.parametrize("method", ["gptq", "awq"])
 def test_a_gptq_or_awq_folder_serves_packed_by_auto_and_dequantized_by_none(quantized_folders, method, smollm2):
     folder = str(quantized_folders[0][method])
     packed = LLMEngine(EngineConfig(model=folder, quantization="auto"), tokenizer=smollm2.tokenizer)

@@ -244,8 +244,12 @@ def quant_plan(mode: str, group_size: int, source, num_layers: int, tied: bool) 
 
     if mode in ("int8", "int4"):
         if mode == "int4":
-            formats = gguf_formats(source.path).values() if source.kind == "gguf" else [checkpoint_quantization(source)]
-            finer = sorted({f[1] for f in formats if f is not None and f[0] == 4 and f[1] < group_size})
+            if source.kind == "gguf":
+                groups = {f[1] for f in gguf_formats(source.path).values() if f is not None and f[0] == 4}
+            else:  # GPTQ / AWQ: (method, group), every projection 4-bit
+                packed = checkpoint_quantization(source)
+                groups = set() if packed is None else {packed[1]}
+            finer = sorted(g for g in groups if g < group_size)
             if finer:
                 logging.getLogger(__name__).warning(
                     "--quantization int4 rounds this checkpoint's 4-bit weights (groups of %s) again, onto groups "
