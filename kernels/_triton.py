@@ -140,14 +140,24 @@ def pdl_launch(device: torch.device) -> dict[str, bool]:
 
 
 @jit
-def wait_for_producer(USE_PDL: tl.constexpr, EARLY: tl.constexpr = False):
+def launch_next_early(USE_PDL: tl.constexpr, EARLY: tl.constexpr):
+    """First thing in a kernel that reads its static inputs before its wait: EARLY's launch of the
+    next kernel, not delayed behind those reads (then wait_for_producer(..., LAUNCHED=True))."""
+    if USE_PDL and EARLY:
+        gdc_launch_dependents()
+
+
+@jit
+def wait_for_producer(USE_PDL: tl.constexpr, EARLY: tl.constexpr = False, LAUNCHED: tl.constexpr = False):
     """First thing in every kernel: before it, a PDL-launched kernel may not read what the
     previous kernel writes, nor exit (stream order after it relies on its having waited). Then
     the next kernel may be scheduled (it waits in turn), so its launch overlaps this one's work;
-    EARLY (early_next above): scheduled before this one's wait."""
+    EARLY (early_next above): scheduled before this one's wait (LAUNCHED: launch_next_early did).
+    What no kernel writes (weights, the step's inputs copied in before it) may be read before."""
     if USE_PDL:
         if EARLY:
-            gdc_launch_dependents()
+            if not LAUNCHED:
+                gdc_launch_dependents()
             gdc_wait()
         else:
             gdc_wait()

@@ -38,8 +38,8 @@ from __future__ import annotations
 
 import torch
 
-from kernels._triton import (cdiv, check_launchable, early_next, interpreting, jit, next_power_of_2, pdl_launch, sm_count,
-                             tl, wait_for_producer)
+from kernels._triton import (cdiv, check_launchable, early_next, interpreting, jit, launch_next_early, next_power_of_2,
+                             pdl_launch, sm_count, tl, wait_for_producer)
 from kernels.kv_store import kv_scale, kv_scale_args, quantize, scale_offsets
 from kernels.rotary import _rotate
 
@@ -250,7 +250,10 @@ def _decode_kernel(
     USE_PDL: tl.constexpr,
     EARLY: tl.constexpr = False,  # kernels/_triton.py's early_next
 ):
-    wait_for_producer(USE_PDL, EARLY)
+    launch_next_early(USE_PDL, EARLY)  # not delayed behind the reads below
+    # Before the wait: what no kernel of the step writes (the step's inputs, copied in before it,
+    # and the rotary tables), so the chains order -> context and position -> cos/sin overlap the
+    # kernel before. The KV pool and q are read after it.
     b = tl.program_id(0)
     if HAS_ORDER:  # programs start in the given order of sequences (the engine's: longest first)
         b = tl.load(order_ptr + b)
@@ -261,12 +264,19 @@ def _decode_kernel(
     per_split = tl.cdiv(tl.cdiv(ctx, NUM_SPLITS), BLOCK_N) * BLOCK_N
     start = split * per_split
     end = tl.minimum(start + per_split, ctx)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_mask = offs_d < HEAD_DIM
+    bt_row = bt_ptr + b.to(tl.int64) * stride_bt
+    if ROPE_STORE:
+        pos = tl.load(pos_ptr + b).to(tl.int64)
+        c = tl.load(cos_ptr + pos * stride_cos + offs_d, mask=d_mask, other=0.0)
+        s = tl.load(sin_ptr + pos * stride_sin + offs_d, mask=d_mask, other=0.0)
+        slot = tl.load(slot_ptr + b).to(tl.int64)
+    wait_for_producer(USE_PDL, EARLY, LAUNCHED=True)
 
     offs_g = tl.arange(0, BLOCK_G)
     g_mask = offs_g < GROUP
     heads = kvh * GROUP + offs_g
-    offs_d = tl.arange(0, BLOCK_D)
-    d_mask = offs_d < HEAD_DIM
     qo_mask = g_mask[:, None] & d_mask[None, :]
     q_row = q_ptr + b.to(tl.int64) * stride_qb + heads[:, None] * stride_qh
     q = tl.load(q_row + offs_d[None, :], mask=qo_mask, other=0.0)
@@ -278,16 +288,15 @@ def _decode_kernel(
         first = offs_d < HALF
         partner = tl.where(first, offs_d + HALF, offs_d - HALF)  # rotate_half's source column
         sign = tl.where(first, -1.0, 1.0)
-        pos = tl.load(pos_ptr + b).to(tl.int64)
-        c = tl.load(cos_ptr + pos * stride_cos + offs_d, mask=d_mask, other=0.0)
-        s = tl.load(sin_ptr + pos * stride_sin + offs_d, mask=d_mask, other=0.0)
-        q = _rotate(q, tl.load(q_row + partner[None, :], mask=qo_mask, other=0.0), c[None, :], s[None, :], sign[None, :])
+        # every load before the first rotation (whose layout changes wait at barriers): one round trip
+        q_partner = tl.load(q_row + partner[None, :], mask=qo_mask, other=0.0)
         kn_row = kn_ptr + b.to(tl.int64) * stride_knb + kvh * stride_knh
-        k_new = _rotate(tl.load(kn_row + offs_d, mask=d_mask, other=0.0),
-                        tl.load(kn_row + partner, mask=d_mask, other=0.0), c, s, sign)
+        k_new = tl.load(kn_row + offs_d, mask=d_mask, other=0.0)
+        k_partner = tl.load(kn_row + partner, mask=d_mask, other=0.0)
         v_new = tl.load(vn_ptr + b.to(tl.int64) * stride_vnb + kvh * stride_vnh + offs_d, mask=d_mask, other=0.0)
+        q = _rotate(q, q_partner, c[None, :], s[None, :], sign[None, :])
+        k_new = _rotate(k_new, k_partner, c, s, sign)
         owner = (start <= ctx - 1) & (ctx - 1 < end)  # false for an idle row (context 0)
-        slot = tl.load(slot_ptr + b).to(tl.int64)
         keep = d_mask & owner & (slot >= 0)  # slot -1: a padding row (CUDA graphs)
         dst = tl.maximum(slot, 0) * stride_kt + kvh * stride_kh + offs_d  # the pool row of slot s: s * stride_kt
         if KV_QMAX > 0:
@@ -317,7 +326,6 @@ def _decode_kernel(
     l_i = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
     q_pos = tl.zeros([BLOCK_G], tl.int32) + (ctx - 1)
-    bt_row = bt_ptr + b.to(tl.int64) * stride_bt
     if DOTS == "pairs" or DOTS == "pairs_asm":
         q_lo, q_hi = tl.split(tl.reshape(q, [BLOCK_G, BLOCK_D // 2, 2]))
         q_lo = q_lo.to(tl.float16)
@@ -386,9 +394,10 @@ def _decode_merge_kernel(
     d_mask = offs_d < HEAD_DIM
     row = (b.to(tl.int64) * NUM_HEADS + h) * NUM_SPLITS + offs_s
     lse = tl.load(part_lse_ptr + row, mask=s_mask, other=float("-inf"))
+    # asked for with the scores, not after their max: one round trip to the L2, not two
+    o = tl.load(part_o_ptr + row[:, None] * HEAD_DIM + offs_d[None, :], mask=s_mask[:, None] & d_mask[None, :], other=0.0)
     m = tl.max(lse, 0)
     w = tl.exp2(lse - tl.where(m == float("-inf"), 0.0, m))  # all -inf (context 0): all weights 0
-    o = tl.load(part_o_ptr + row[:, None] * HEAD_DIM + offs_d[None, :], mask=s_mask[:, None] & d_mask[None, :], other=0.0)
     denom = tl.sum(w, 0)
     out = tl.sum(o * w[:, None], 0) / tl.where(denom > 0, denom, 1.0)
     tl.store(out_ptr + b.to(tl.int64) * stride_ob + h * stride_oh + offs_d, out.to(out_ptr.dtype.element_ty), mask=d_mask)

@@ -13,10 +13,14 @@ def _rms_norm_kernel(
     stride_x, stride_r, stride_o, stride_ro, n_cols, eps,
     HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr, EARLY: tl.constexpr = False,
 ):
-    wait_for_producer(USE_PDL, EARLY)
-    row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < n_cols
+    # The weight is no kernel's output: asked for before the wait, so its read (from DRAM: a step's
+    # weights stream through the L2 between two uses) overlaps the kernel before, not the
+    # reduction's end (after the reduction's barrier it was a round trip of its own).
+    w = tl.load(w_ptr + offs, mask=mask, other=0.0)
+    wait_for_producer(USE_PDL, EARLY)
+    row = tl.program_id(0).to(tl.int64)
     x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0)
     if HAS_RESIDUAL:
         r = tl.load(res_ptr + row * stride_r + offs, mask=mask, other=0.0)
@@ -26,7 +30,6 @@ def _rms_norm_kernel(
     xf = x.to(tl.float32)
     inv_rms = tl.rsqrt(tl.sum(xf * xf, 0) / n_cols + eps)
     h = (xf * inv_rms).to(x.dtype)
-    w = tl.load(w_ptr + offs, mask=mask, other=0.0)
     out = w.to(tl.float32) * h.to(tl.float32)
     tl.store(out_ptr + row * stride_o + offs, out.to(out_ptr.dtype.element_ty), mask=mask)
 
