@@ -235,6 +235,25 @@ def checkpoint_plan(formats: dict[str, tuple[int, int] | None], num_layers: int,
     return QuantPlan(None, per_layer)
 
 
+def _warn_if_regrouped(source, group_size: int) -> None:
+    """``--quantization int4`` over a checkpoint already 4-bit in finer groups (a GGUF's Q4 types,
+    GPTQ, AWQ): logs what rounding it again costs and the two ways out."""
+    from worker.models.loader import checkpoint_quantization, gguf_formats
+
+    if source.kind == "gguf":
+        groups = {f[1] for f in gguf_formats(source.path).values() if f is not None and f[0] == 4}
+    else:  # GPTQ / AWQ: (method, group), every projection 4-bit
+        packed = checkpoint_quantization(source)
+        groups = set() if packed is None else {packed[1]}
+    finer = sorted(g for g in groups if g < group_size)
+    if finer:
+        logging.getLogger(__name__).warning(
+            "--quantization int4 rounds this checkpoint's 4-bit weights (groups of %s) again, onto groups "
+            "of %d: they land between the two grids (the Qwen2.5-Coder-1.5B's Q4_K_M: perplexity +53%%). "
+            "--quantization auto serves them as they ship; --quantization-group-size %d keeps their grid",
+            "/".join(map(str, finer)), group_size, finer[0])
+
+
 def quant_plan(mode: str, group_size: int, source, num_layers: int, tied: bool) -> QuantPlan | None:
     """The plan ``--quantization mode`` makes for a model ``source`` (contracts.models.ModelSource);
     ``auto`` on a float checkpoint (or dummy weights) is None: served as it is."""
@@ -244,18 +263,7 @@ def quant_plan(mode: str, group_size: int, source, num_layers: int, tied: bool) 
 
     if mode in ("int8", "int4"):
         if mode == "int4":
-            if source.kind == "gguf":
-                groups = {f[1] for f in gguf_formats(source.path).values() if f is not None and f[0] == 4}
-            else:  # GPTQ / AWQ: (method, group), every projection 4-bit
-                packed = checkpoint_quantization(source)
-                groups = set() if packed is None else {packed[1]}
-            finer = sorted(g for g in groups if g < group_size)
-            if finer:
-                logging.getLogger(__name__).warning(
-                    "--quantization int4 rounds this checkpoint's 4-bit weights (groups of %s) again, onto groups "
-                    "of %d: they land between the two grids (the Qwen2.5-Coder-1.5B's Q4_K_M: perplexity +53%%). "
-                    "--quantization auto serves them as they ship; --quantization-group-size %d keeps their grid",
-                    "/".join(map(str, finer)), group_size, finer[0])
+            _warn_if_regrouped(source, group_size)
         return uniform_plan(int(mode[3:]), group_size)
 
     if source.kind == "gguf":
