@@ -110,7 +110,52 @@ def main() -> int:
               f"{sum(a == b for a, b in zip(outs['fp16'], outs['pairs']))}/{len(prompts)}")
     paged_attention.DECODE_QUANT_DOTS = "pairs"
     bf16_model.close()
-    return 0 if same == len(prompts) and sampled_same == len(prompts) and spec_same == len(loops) and kv_ok else 1
+    handoff_ok = check_norm_handoff(prompts)
+    return 0 if (same == len(prompts) and sampled_same == len(prompts) and spec_same == len(loops) and kv_ok
+                 and handoff_ok) else 1
+
+
+def check_norm_handoff(prompts: list[list[int]]) -> bool:
+    """int4 weights in the Gluon kernels, one request at a time (one-row decode graphs): the norms
+    handed from o_proj and down_proj to the projections after them (kernels/wq_matmul.py's
+    wq_matmul_norm) against the norm kernel between them. Roundings differ (x rounded before 1 / rms,
+    not after), so the check is the logprobs of the chosen tokens while the two agree, and at the
+    first token where they part (a near tie: both choices about equally likely)."""
+    from kernels import wq_matmul
+
+    sp = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, detokenize=False, logprobs=0)
+    common = dict(model="dummy:llama-3.2-1b", device="cuda", dtype="bfloat16", quantization="int4",
+                  max_model_len=1024, max_num_seqs=16, num_kv_blocks=512)
+    runs, model = {}, None
+    for on in (False, True):
+        wq_matmul.NORM_HANDOFF = on  # read while the decode graphs are captured
+        engine = LLMEngine(EngineConfig(**common), model=model)
+        model = engine.model
+        assert all(layer.norm_handoff for layer in model.model.layers), "int4 projections not tiled"
+        outs = []
+        for p in prompts:  # alone: every decode step one row
+            rid = engine.add_request(p, sp)
+            toks, lps = [], []
+            while engine.has_unfinished():
+                for out in engine.step():
+                    if out.request_id == rid:
+                        toks += out.new_token_ids
+                        lps += [e.logprob for e in out.logprobs or []]
+            outs.append((toks, torch.tensor(lps)))
+        engine.check_integrity()
+        engine.close()
+        runs[on] = outs
+    wq_matmul.NORM_HANDOFF = True
+    agreed, worst = 0, 0.0
+    for (t_off, lp_off), (t_on, lp_on) in zip(runs[False], runs[True]):
+        same = next((i for i, (a, b) in enumerate(zip(t_off, t_on)) if a != b), len(t_off))
+        agreed += same
+        n = min(same + 1, len(t_off))
+        worst = max(worst, (lp_on[:n] - lp_off[:n]).abs().max().item())
+    total = sum(len(t) for t, _ in runs[False])
+    print(f"norm handoff (int4, one row): tokens agreed {agreed}/{total} before each parting; largest "
+          f"logprob difference there {worst:.4f}")
+    return worst < 0.15
 
 
 if __name__ == "__main__":

@@ -8,6 +8,8 @@ and read back with ``kv_quant.dequantize_kv`` to fp32.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
@@ -143,6 +145,40 @@ def rms_norm_ref(
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
     out = weight * h.to(x.dtype)
     return out if residual is None else (out, residual)
+
+
+@dataclass(frozen=True)
+class RmsHandoff:
+    """An add-RMS norm split across two projections at one row of x (kernels/wq_matmul.py's
+    wq_matmul_norm): the first left the norm's elementwise part as the second's x and the sums of
+    h^2 over its output tiles here; the second scales its sums by 1 / rms before its bias."""
+
+    parts: torch.Tensor  # fp32 [tiles]: the sum of h^2 over each of the first projection's output tiles
+    eps: float
+
+    def inv_rms(self, k: int) -> torch.Tensor:
+        """1 / rms of h, whose k columns ``parts`` sums the squares of (fp32, a 0-d tensor)."""
+        return torch.rsqrt(self.parts.sum() / k + self.eps)
+
+    def apply(self, out: torch.Tensor, k: int, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """A projection's output without its bias -> what the norm's output would have given it."""
+        out = (out.float() * self.inv_rms(k)).to(out.dtype)
+        return out if bias is None else out + bias
+
+
+def norm_handoff_ref(out: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+                     tile: int = 64) -> tuple[torch.Tensor, torch.Tensor, RmsHandoff]:
+    """kernels/wq_gluon.py's _norm_out on one row: h = out + residual (rounded to the residual's
+    dtype, as rms_norm's kernel rounds the sum), the next projection's x = weight * h (rounded to
+    out's dtype), and h^2 summed over each ``tile`` columns. ``RmsHandoff.apply`` on the next
+    projection's sums of that x gives rms_norm's output's sums, up to roundings."""
+    assert out.shape[0] == 1 and out.shape == residual.shape
+    h = (out.float() + residual.float()).to(residual.dtype)
+    hf = h.float()
+    xn = (weight.float() * hf).to(out.dtype)
+    n = hf.shape[-1]
+    parts = F.pad(hf.pow(2), (0, -n % tile)).view(-1, tile).sum(-1)
+    return xn, h, RmsHandoff(parts, eps)
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:

@@ -183,6 +183,19 @@ def tile_weight(weight: QuantizedWeight) -> TiledWeight:
     return TiledWeight(repack_int4(weight.qweight), pack_scales(weight.scales, weight.biases), weight.group_size)
 
 
+_orders: dict[tuple[int, torch.device], torch.Tensor] = {}
+
+
+def _on_device(order: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A tile order's copy on ``device``, made once: an embedding lookup from a tiled LM head
+    (TiledWeight.rows) runs inside CUDA-graph capture, where a host-to-device copy may not (met
+    first by the warm-up before it)."""
+    key = (id(order), device)
+    if key not in _orders:
+        _orders[key] = order.to(device)
+    return _orders[key]
+
+
 def dequantize_repacked(words: torch.Tensor, sb: torch.Tensor, group: int, bits: int = 4) -> torch.Tensor:
     """The float32 weight [N, K] that ``words`` and ``sb`` stand for (the tests' reference)."""
     n, k = words.shape[0], words.shape[1] * 32 // bits
@@ -193,7 +206,7 @@ def dequantize_repacked(words: torch.Tensor, sb: torch.Tensor, group: int, bits:
         q = unpack_int4(words.contiguous().view(torch.uint8).view(n, k // 2)).view(n, k // BLOCK_K, BLOCK_K)
         order = INT4_TILE_ORDER
     natural = torch.empty_like(q)
-    natural[:, :, order.to(q.device)] = q
+    natural[:, :, _on_device(order, q.device)] = q
     s, b = unpack_sb(sb)
     per = group // BLOCK_K if group >= BLOCK_K else None
     assert per, "tiles lie in one group"
@@ -333,13 +346,16 @@ if HAS_GLUON:
                          stride_om, GROUP: gl.constexpr, HAS_BIAS: gl.constexpr, BLOCK_N: gl.constexpr,
                          BLOCK_M: gl.constexpr, STAGES: gl.constexpr, SPLIT_K: gl.constexpr, num_warps: gl.constexpr,
                          INFLIGHT: gl.constexpr = 1, USE_PDL: gl.constexpr = False, BITS: gl.constexpr = 4,
-                         LATE_LAUNCH: gl.constexpr = False, ACT: gl.constexpr = False):
+                         LATE_LAUNCH: gl.constexpr = False, ACT: gl.constexpr = False, res_ptr=None,
+                         nw_ptr=None, ss_ptr=None, n_parts=0, eps=0.0,
+                         NORM_OUT: gl.constexpr = False, NORM_IN: gl.constexpr = False):
         """Program (i, j, s) owns out[j BLOCK_M:, i BLOCK_N:] over split s of K's tiles (the host
         makes the splits equal, of an even number of tiles). A warpgroup owns BLOCK_N / (num_warps /
         4) rows (64 or 128: one or two wgmma along M). INFLIGHT: wgmma groups left in flight at
         each tile's wait (1; 0 waits for each tile's, as tl.dot does). USE_PDL: launched as a
         programmatic dependent launch (kernels/_triton.py). BITS: 4 or 8 (the weight's words). ACT:
-        out is a gated MLP's gate|up and act_ptr also gets silu(gate) * up (_silu_pair)."""
+        out is a gated MLP's gate|up and act_ptr also gets silu(gate) * up (_silu_pair). NORM_OUT,
+        NORM_IN: one row of x, an add-RMS norm split across two projections (_norm_out, _rms_parts)."""
         mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                                       instr_shape=[16, BLOCK_M, 16])
         a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
@@ -373,6 +389,8 @@ if HAS_GLUON:
         sb = gl.load(sb_ptrs + t0 // TPG)
         if USE_PDL:  # x (and out, ws) only after it
             _pdl_wait(not LATE_LAUNCH)
+        if NORM_IN:
+            inv_rms = _inv_rms(_rms_parts(ss_ptr, n_parts, num_warps), K, eps)
         for i in gl.static_range(STAGES - 1):
             tma.async_copy_global_to_shared(x_desc, [off_m, (t0 + i) * _BK], bars.index(i), x_smem.index(i),
                                             i < tiles)
@@ -390,9 +408,11 @@ if HAS_GLUON:
             _pdl_launch()
         for i in gl.static_range(STAGES):
             mbarrier.invalidate(bars.index(i))
+        if NORM_IN:
+            acc = acc * inv_rms
 
         _store(acc, off_n, off_m, pid_n, pid_m, bias_ptr, out_ptr, ws_ptr, cnt_ptr, act_ptr, M, N, stride_om, mma,
-               HAS_BIAS, BLOCK_N, BLOCK_M, SPLIT_K, ACT)
+               HAS_BIAS, BLOCK_N, BLOCK_M, SPLIT_K, ACT, res_ptr, nw_ptr, ss_ptr, NORM_OUT)
 
     @gluon.jit
     def _pdl_wait(LAUNCH: gl.constexpr = True):
@@ -410,9 +430,12 @@ if HAS_GLUON:
     @gluon.jit
     def _store(acc, off_n, off_m, pid_n, pid_m, bias_ptr, out_ptr, ws_ptr, cnt_ptr, act_ptr, M, N, stride_om,
                mma: gl.constexpr, HAS_BIAS: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr,
-               SPLIT_K: gl.constexpr, ACT: gl.constexpr = False):
+               SPLIT_K: gl.constexpr, ACT: gl.constexpr = False, res_ptr=None, nw_ptr=None,
+               ss_ptr=None, NORM_OUT: gl.constexpr = False):
         """acc [BLOCK_N, BLOCK_M] (out^T) into out (+ bias); with SPLIT_K > 1 the splits add into ws
-        (fp32 [M, N], zero) and the last to count in stores and re-zeroes. ACT: then _silu_pair."""
+        (fp32 [M, N], zero) and the last to count in stores and re-zeroes. ACT: then _silu_pair.
+        NORM_OUT: not out itself but an add-RMS norm's elementwise part of it (_norm_out)."""
+        gl.static_assert(not (ACT and NORM_OUT))
         offs_n = off_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, mma))
         offs_m = off_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, mma))
         mask = gl.expand_dims(offs_n < N, 1) & gl.expand_dims(offs_m < M, 0)
@@ -420,22 +443,69 @@ if HAS_GLUON:
         if SPLIT_K > 1:
             ws_ptrs = ws_ptr + gl.expand_dims(offs_m, 0) * N + gl.expand_dims(offs_n, 1)
             gl.atomic_add(ws_ptrs, acc, mask=mask, sem="relaxed")
+            if NORM_OUT:  # asked for by every split before the count: their round trip overlaps its
+                res = gl.load(res_ptr + gl.expand_dims(offs_m, 0) * N + gl.expand_dims(offs_n, 1), mask=mask,
+                              other=0.0)
+                nw = gl.load(nw_ptr + gl.minimum(offs_n, N - 1))
             gl.thread_barrier()  # every thread's adds issued before the count (released by the atomic)
             tile = pid_m * gl.num_programs(0) + pid_n
             if gl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel") == SPLIT_K - 1:
                 acc = gl.atomic_xchg(ws_ptrs, gl.zeros_like(acc), mask=mask, sem="relaxed")
                 if HAS_BIAS:
                     acc += gl.expand_dims(gl.load(bias_ptr + gl.minimum(offs_n, N - 1)).to(gl.float32), 1)
-                gl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+                if NORM_OUT:
+                    _norm_out(acc, res, nw, offs_n, offs_m, mask, pid_n, out_ptr, res_ptr, ss_ptr, M, N,
+                              stride_om)
+                else:
+                    gl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
                 gl.atomic_xchg(cnt_ptr + tile, 0, sem="relaxed")
                 if ACT:
                     _silu_pair(acc, offs_n, offs_m, mask, pid_n, pid_m, out_ptr, cnt_ptr, act_ptr, N, stride_om)
         else:
             if HAS_BIAS:
                 acc += gl.expand_dims(gl.load(bias_ptr + gl.minimum(offs_n, N - 1)).to(gl.float32), 1)
-            gl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+            if NORM_OUT:
+                res = gl.load(res_ptr + gl.expand_dims(offs_m, 0) * N + gl.expand_dims(offs_n, 1), mask=mask,
+                              other=0.0)
+                _norm_out(acc, res, gl.load(nw_ptr + gl.minimum(offs_n, N - 1)), offs_n, offs_m, mask, pid_n,
+                          out_ptr, res_ptr, ss_ptr, M, N, stride_om)
+            else:
+                gl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
             if ACT:
                 _silu_pair(acc, offs_n, offs_m, mask, pid_n, pid_m, out_ptr, cnt_ptr, act_ptr, N, stride_om)
+
+    @gluon.jit
+    def _norm_out(acc, res, nw, offs_n, offs_m, mask, pid_n, out_ptr, res_ptr, ss_ptr, M, N, stride_om):
+        """The elementwise part of the add-RMS norm after this projection, in its epilogue (one
+        row of x; kernels/wq_matmul.py's wq_matmul_norm): h = out + res, rounded as kernels/rmsnorm.py
+        rounds it, over res (the residual, in place: a pointer fewer held through the main loop,
+        which spilled int8's two-consumer tile); nw h, rounded, into out (the next projection's x);
+        and the tile's sum of h^2 per row into ss[row, tile], which the next projection adds up for
+        the norm's 1 / rms and applies to its sums (_rms_parts, _inv_rms): no norm kernel between."""
+        rows = gl.expand_dims(offs_m, 0)
+        cols = gl.expand_dims(offs_n, 1)
+        h = (acc.to(out_ptr.dtype.element_ty).to(gl.float32) + res.to(gl.float32)).to(res_ptr.dtype.element_ty)
+        gl.store(res_ptr + rows * N + cols, h, mask=mask)
+        hf = gl.where(mask, h.to(gl.float32), 0.0)
+        xn = gl.expand_dims(nw.to(gl.float32), 1) * hf
+        gl.store(out_ptr + rows * stride_om + cols, xn.to(out_ptr.dtype.element_ty), mask=mask)
+        gl.store(ss_ptr + offs_m * gl.num_programs(0) + pid_n, gl.sum(hf * hf, axis=0), mask=offs_m < M)
+
+    @gluon.jit
+    def _rms_parts(ss_ptr, n_parts, num_warps: gl.constexpr):
+        """The norm's partial sums of squares that the projection before wrote (_norm_out, one row
+        of x), a lane each, asked for right after the wait for that kernel and summed at once
+        (_inv_rms): the first tile's x, asked for after the same wait, takes as long to come.
+        (Summed after the main loop instead, the step measured the same: int4 batch 1 1.937 ms
+        against 1.935-1.938 on two H200s, docs/BENCHMARKS.md.)"""
+        layout: gl.constexpr = gl.BlockedLayout([1], [32], [num_warps], [0])
+        offs = gl.arange(0, 32 * num_warps, layout=layout)
+        return gl.load(ss_ptr + offs, mask=offs < n_parts, other=0.0)
+
+    @gluon.jit
+    def _inv_rms(parts, K, eps):
+        """1 / rms of the row whose partial sums of squares are ``parts`` (_rms_parts)."""
+        return gl.rsqrt(gl.sum(parts, axis=0) / K + eps)
 
     @gluon.jit
     def _silu_pair(acc, offs_n, offs_m, mask, pid_n, pid_m, out_ptr, cnt_ptr, act_ptr, N, stride_om):

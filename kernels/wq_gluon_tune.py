@@ -55,6 +55,9 @@ GLUON_NS = os.environ.get("KVCASCADE_GLUON_NS", "1") != "0"  # off: no NS tiles 
 GLUON_GC = os.environ.get("KVCASCADE_GLUON_GC", "1") != "0"  # off: no GC tiles timed (the A/B)
 WS_NS_MAXNREG = 168  # 12 warps at launch (the producer warp is padded to a warpgroup): 64 K registers an SM
 GLUON_SPLITS = (1, 2, 4, 8)
+# the most output tiles a projection that hands an RMS norm on (wq_gluon.py's _norm_out) may have: the
+# next projection reads their partial sums one a lane of a warpgroup (_rms_parts)
+RMS_MAX_PARTS = 128
 
 
 def rows_block(m: int) -> int:
@@ -192,12 +195,17 @@ _descs: dict[tuple, object] = {}
 
 
 def wq_gluon(x: torch.Tensor, weight: TiledWeight, out: torch.Tensor, bias: torch.Tensor | None,
-             ws: torch.Tensor, cnt: torch.Tensor, config: dict, act: torch.Tensor | None = None) -> None:
+             ws: torch.Tensor, cnt: torch.Tensor, config: dict, act: torch.Tensor | None = None,
+             norm_out: tuple | None = None, norm_in: tuple | None = None) -> None:
     """out = x @ W^T (+ bias) through the kernel at ``config`` (kernels/wq_gluon_tune.py's
     dicts); ws, cnt: kernels/wq_matmul.py's split workspace (zero), for SPLIT_K > 1. ``act``
     [M, N / 2]: out is gate|up, and act gets silu(gate) * up (wq_gluon.py's _silu_pair; N / 2 a
-    multiple of the tile's BLOCK_N, cnt holding 1.5 counters an output tile, zero)."""
-    _launch(x, weight.words, weight.sb, weight.group_size, out, bias, ws, cnt, config, bits=weight.bits, act=act)
+    multiple of the tile's BLOCK_N, cnt holding 1.5 counters an output tile, zero). One row of x
+    only: ``norm_out`` (residual, norm_weight, parts): out gets an add-RMS norm's elementwise part
+    instead, the residual the sum, in place (wq_gluon.py's _norm_out); ``norm_in`` (parts, eps): out scaled by
+    that norm's 1 / rms (kernels/wq_matmul.py's wq_matmul_norm says the whole)."""
+    _launch(x, weight.words, weight.sb, weight.group_size, out, bias, ws, cnt, config, bits=weight.bits, act=act,
+            norm_out=norm_out, norm_in=norm_in)
 
 
 def block_n(config: dict) -> int:
@@ -207,10 +215,23 @@ def block_n(config: dict) -> int:
 
 def _launch(x: torch.Tensor, words: torch.Tensor, sb: torch.Tensor, group: int, out: torch.Tensor,
             bias: torch.Tensor | None, ws: torch.Tensor, cnt: torch.Tensor, config: dict,
-            keep_desc: bool = True, bits: int = 4, act: torch.Tensor | None = None) -> None:
+            keep_desc: bool = True, bits: int = 4, act: torch.Tensor | None = None, norm_out: tuple | None = None,
+            norm_in: tuple | None = None) -> None:
     (m, k), n = x.shape, words.shape[0]
     bm, warps, split = config["BLOCK_M"], config["num_warps"], config["SPLIT_K"]
     bn = block_n(config)
+    norm = dict(res_ptr=out, nw_ptr=out, ss_ptr=out, n_parts=0, eps=0.0)  # (unused: any pointers)
+    if norm_out is not None or norm_in is not None:
+        assert m == 1 and config.get("NS", 1) == 1 and not (norm_out is not None and (act is not None or norm_in))
+    if norm_out is not None:
+        res, nw, parts = norm_out
+        assert res.shape == out.shape and res.is_contiguous()
+        assert nw.shape == (n, ) and parts.shape == (triton.cdiv(n, bn), ) and parts.dtype == torch.float32
+        norm.update(res_ptr=res, nw_ptr=nw, ss_ptr=parts, NORM_OUT=True)
+    if norm_in is not None:
+        parts, eps = norm_in
+        assert parts.dtype == torch.float32 and parts.numel() <= RMS_MAX_PARTS
+        norm.update(ss_ptr=parts, n_parts=parts.numel(), eps=float(eps), NORM_IN=True)
     if act is not None:  # _silu_pair's tiles pair up across the halves; its counters follow the split ones
         assert n % (2 * bn) == 0 and act.shape == (m, n // 2) and act.is_contiguous()
         assert cnt.numel() >= triton.cdiv(m, bm) * (n // bn) * 3 // 2
@@ -243,4 +264,5 @@ def _launch(x: torch.Tensor, words: torch.Tensor, sb: torch.Tensor, group: int, 
                  BLOCK_N=bn, BLOCK_M=bm,
                  STAGES=config["STAGES"], SPLIT_K=split, num_warps=warps, INFLIGHT=config.get("INFLIGHT", 1), BITS=bits,
                  LATE_LAUNCH=m <= wq_gluon_mod.PDL_LATE_ROWS if wq_gluon_mod.PDL_LATE is None else wq_gluon_mod.PDL_LATE,
-                 **(pdl_launch(x.device) if wq_gluon_mod.PDL else dict(USE_PDL=False, launch_pdl=False)), **extra)
+                 **(pdl_launch(x.device) if wq_gluon_mod.PDL else dict(USE_PDL=False, launch_pdl=False)), **extra,
+                 **norm)

@@ -38,7 +38,8 @@ if HAS_GLUON:
     from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                                   warpgroup_mma_wait)
 
-    from kernels.wq_gluon import _BK, _pdl_wait, _store, _unpack_tile, _unpack_tile_gc, _words_layout
+    from kernels.wq_gluon import (_BK, _inv_rms, _pdl_wait, _rms_parts, _store, _unpack_tile, _unpack_tile_gc,
+                                  _words_layout)
 
     WS_NC2_REGS = gl.constexpr(64)  # the second consumer warpgroup's registers (a worker partition's)
 
@@ -100,8 +101,15 @@ if HAS_GLUON:
                   stride_om, off_m, off_n, pid_n, pid_m, t0, tiles, GROUP: gl.constexpr, HAS_BIAS: gl.constexpr,
                   BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr, SPLIT_K: gl.constexpr,
                   USE_PDL: gl.constexpr, num_warps: gl.constexpr, BITS: gl.constexpr, ACT: gl.constexpr,
-                  C: gl.constexpr = 0, NC: gl.constexpr = 1, S: gl.constexpr = 0, NS: gl.constexpr = 1):
-        """Consumer C of NC (alternate tiles) or S of NS (its BLOCK_N / NS rows of the tile's W)."""
+                  C: gl.constexpr = 0, NC: gl.constexpr = 1, S: gl.constexpr = 0, NS: gl.constexpr = 1, K=0,
+                  res_ptr=None, nw_ptr=None, ss_ptr=None, n_parts=0, eps=0.0,
+                  NORM_OUT: gl.constexpr = False, NORM_IN: gl.constexpr = False):
+        """Consumer C of NC (alternate tiles) or S of NS (its BLOCK_N / NS rows of the tile's W).
+        NORM_OUT, NORM_IN: wq_gluon.py's _norm_out, _rms_parts (one row of x)."""
+        if NORM_IN:  # the norm's parts, from the kernel before: after the wait for it
+            if USE_PDL:
+                _pdl_wait(False)
+            inv_rms = _inv_rms(_rms_parts(ss_ptr, n_parts, num_warps), K, eps)
         ROWS: gl.constexpr = BLOCK_N // NS  # this consumer's rows of W
         off_n = off_n + S * ROWS
         mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
@@ -121,12 +129,14 @@ if HAS_GLUON:
             acc, sb = _consumer_tile(2 * NC * j + NC + C, t0, tiles, acc, sb, sb_ptrs, x_smem, w_smem, ready, empty,
                                      a_layout, w_layout, ROWS, STAGES, TPG, BITS, NC, S, NS)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+        if NORM_IN:
+            acc = acc * inv_rms
         if USE_PDL:  # out and ws only after the kernel before
             _pdl_wait()
         # NC consumers: each adds its part as a K split of its own (NS: each stores its own rows;
         # pid_n counts NS-row tiles, which only split and SiLU counters would see: NS runs neither)
         _store(acc, off_n, off_m, pid_n, pid_m, bias_ptr, out_ptr, ws_ptr, cnt_ptr, act_ptr, M, N, stride_om, mma,
-               HAS_BIAS, ROWS, BLOCK_M, SPLIT_K * NC, ACT)
+               HAS_BIAS, ROWS, BLOCK_M, SPLIT_K * NC, ACT, res_ptr, nw_ptr, ss_ptr, NORM_OUT)
 
     @gluon.jit
     def _gc_tile(i, release, acc, x_smem, w_smem, ready, empty, a_layout: gl.constexpr, w_layout: gl.constexpr,
@@ -175,7 +185,9 @@ if HAS_GLUON:
     def _consumer_gc(x_ptr, x_smem, w_smem, ready, empty, sb_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr, act_ptr, M, N,
                      stride_sb, stride_om, off_n, pid_n, t0, tiles, GROUP: gl.constexpr, HAS_BIAS: gl.constexpr,
                      BLOCK_N: gl.constexpr, STAGES: gl.constexpr, SPLIT_K: gl.constexpr, USE_PDL: gl.constexpr,
-                     num_warps: gl.constexpr, BITS: gl.constexpr, ACT: gl.constexpr, GC: gl.constexpr):
+                     num_warps: gl.constexpr, BITS: gl.constexpr, ACT: gl.constexpr, GC: gl.constexpr, K=0,
+                     res_ptr=None, nw_ptr=None, ss_ptr=None, n_parts=0, eps=0.0,
+                     NORM_OUT: gl.constexpr = False, NORM_IN: gl.constexpr = False):
         """The group-column consumer (one row of x; the module docstring): tile i's wgmma adds the
         unpacked tile without its scale (int4 128 + q, int8 q) times x into column i % GC, where the
         producer put x's row; once a block of GC tiles, the accumulator's column j (tile j's sums P_j,
@@ -196,15 +208,19 @@ if HAS_GLUON:
         TPG: gl.constexpr = GROUP // _BK
         if USE_PDL:  # x is read here too, not only through the producer's TMA
             _pdl_wait(False)
+        if NORM_IN:
+            inv_rms = _inv_rms(_rms_parts(ss_ptr, n_parts, num_warps), K, eps)
         total = gl.zeros([BLOCK_N, GC], gl.float32, mma)
         for blk in range(gl.cdiv(tiles, GC)):
             total = _gc_block(blk, total, x_ptr, x_offs, x_smem, w_smem, ready, empty, sb_rows, cols, t0, tiles,
                               a_layout, w_layout, mma, BLOCK_N, STAGES, TPG, BITS, GC)
         out = gl.where(gl.expand_dims(cols, 0) == 0, gl.expand_dims(gl.sum(total, axis=1), 1), 0.0)
+        if NORM_IN:
+            out = out * inv_rms
         if USE_PDL:  # out and ws only after the kernel before; the next one scheduled now
             _pdl_wait()
         _store(out, off_n, 0, pid_n, 0, bias_ptr, out_ptr, ws_ptr, cnt_ptr, act_ptr, M, N, stride_om, mma, HAS_BIAS,
-               BLOCK_N, GC, SPLIT_K, ACT)
+               BLOCK_N, GC, SPLIT_K, ACT, res_ptr, nw_ptr, ss_ptr, NORM_OUT)
 
     @gluon.jit
     def _wq_gluon_ws_kernel(x_desc, w_desc, sb_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr, act_ptr, M, N, K, stride_sb,
@@ -212,7 +228,9 @@ if HAS_GLUON:
                             BLOCK_M: gl.constexpr, STAGES: gl.constexpr, SPLIT_K: gl.constexpr,
                             num_warps: gl.constexpr, INFLIGHT: gl.constexpr = 1, USE_PDL: gl.constexpr = False,
                             BITS: gl.constexpr = 4, LATE_LAUNCH: gl.constexpr = False, NC: gl.constexpr = 1,
-                            ACT: gl.constexpr = False, NS: gl.constexpr = 1, x_ptr=None, GC: gl.constexpr = 0):
+                            ACT: gl.constexpr = False, NS: gl.constexpr = 1, x_ptr=None, GC: gl.constexpr = 0,
+                            res_ptr=None, nw_ptr=None, ss_ptr=None, n_parts=0, eps=0.0,
+                            NORM_OUT: gl.constexpr = False, NORM_IN: gl.constexpr = False):
         """_wq_gluon_kernel's arguments and grid (INFLIGHT is always 1 here); num_warps 4: the
         consumer warpgroup (BLOCK_N 64 or 128), plus one producer warp; NC 2: and a second consumer
         warpgroup (_consumer_tile); NS 2: and a second consumer warpgroup, each taking 64 of the
@@ -232,6 +250,7 @@ if HAS_GLUON:
             mbarrier.init(ready.index(i), count=1)
             mbarrier.init(empty.index(i), count=NS)
         fence_async_shared()
+        gl.static_assert(NS == 1 or not (NORM_OUT or NORM_IN))  # one row of x: never NS
         if NS > 1:  # NS consumers (NC unused): no K split, no SiLU, 64 rows of W each
             gl.static_assert(SPLIT_K == 1)
             gl.static_assert(ACT == False)  # noqa: E712 (a constexpr)
@@ -256,19 +275,22 @@ if HAS_GLUON:
                 (_consumer, (x_smem, w_smem, ready, empty, sb_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr, act_ptr, M, N,
                              stride_sb,
                              stride_om, off_m, off_n, gl.program_id(0), gl.program_id(1), t0, tiles, GROUP, HAS_BIAS,
-                             BLOCK_N, BLOCK_M, STAGES, SPLIT_K, USE_PDL, num_warps, BITS, ACT, 0, 2)),
+                             BLOCK_N, BLOCK_M, STAGES, SPLIT_K, USE_PDL, num_warps, BITS, ACT, 0, 2, 0, 1,
+                             K, res_ptr, nw_ptr, ss_ptr, n_parts, eps, NORM_OUT, NORM_IN)),
                 (_producer, (x_desc, w_desc, x_smem, w_smem, ready, empty, off_m, off_n, t0, tiles, STAGES, USE_PDL,
                              WPT, LATE_LAUNCH)),
                 (_consumer, (x_smem, w_smem, ready, empty, sb_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr, act_ptr, M, N,
                              stride_sb,
                              stride_om, off_m, off_n, gl.program_id(0), gl.program_id(1), t0, tiles, GROUP, HAS_BIAS,
-                             BLOCK_N, BLOCK_M, STAGES, SPLIT_K, USE_PDL, num_warps, BITS, ACT, 1, 2)),
+                             BLOCK_N, BLOCK_M, STAGES, SPLIT_K, USE_PDL, num_warps, BITS, ACT, 1, 2, 0, 1,
+                             K, res_ptr, nw_ptr, ss_ptr, n_parts, eps, NORM_OUT, NORM_IN)),
             ], [1, 4], [24, WS_NC2_REGS])
         elif GC:  # one row of x: the group-column consumer, BLOCK_M columns (tiles a block)
             gl.warp_specialize([
                 (_consumer_gc, (x_ptr, x_smem, w_smem, ready, empty, sb_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr,
                                 act_ptr, M, N, stride_sb, stride_om, off_n, gl.program_id(0), t0, tiles, GROUP,
-                                HAS_BIAS, BLOCK_N, STAGES, SPLIT_K, USE_PDL, num_warps, BITS, ACT, BLOCK_M)),
+                                HAS_BIAS, BLOCK_N, STAGES, SPLIT_K, USE_PDL, num_warps, BITS, ACT, BLOCK_M,
+                                K, res_ptr, nw_ptr, ss_ptr, n_parts, eps, NORM_OUT, NORM_IN)),
                 (_producer, (x_desc, w_desc, x_smem, w_smem, ready, empty, off_m, off_n, t0, tiles, STAGES, USE_PDL,
                              WPT, LATE_LAUNCH, BLOCK_M)),
             ], [1], [24])
@@ -277,7 +299,8 @@ if HAS_GLUON:
                 (_consumer, (x_smem, w_smem, ready, empty, sb_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr, act_ptr, M, N,
                              stride_sb,
                              stride_om, off_m, off_n, gl.program_id(0), gl.program_id(1), t0, tiles, GROUP, HAS_BIAS,
-                             BLOCK_N, BLOCK_M, STAGES, SPLIT_K, USE_PDL, num_warps, BITS, ACT)),
+                             BLOCK_N, BLOCK_M, STAGES, SPLIT_K, USE_PDL, num_warps, BITS, ACT, 0, 1, 0, 1,
+                             K, res_ptr, nw_ptr, ss_ptr, n_parts, eps, NORM_OUT, NORM_IN)),
                 (_producer, (x_desc, w_desc, x_smem, w_smem, ready, empty, off_m, off_n, t0, tiles, STAGES, USE_PDL,
                              WPT, LATE_LAUNCH)),
             ], [1], [24])

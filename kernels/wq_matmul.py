@@ -56,6 +56,7 @@ import torch
 
 from kernels import wq_gluon, wq_gluon_tune
 from kernels._triton import _cuda_capability, check_launchable, interpreting, jit, pdl_launch, tl, triton, wait_for_producer
+from kernels.reference import RmsHandoff
 from kernels.wq_gluon import TiledWeight
 from kernels.wquant import QuantizedWeight
 
@@ -840,12 +841,14 @@ def decode_path(weight: QuantizedWeight | TiledWeight, rows: int, dtype: torch.d
 
 
 def wq_matmul(x: torch.Tensor, weight: QuantizedWeight | TiledWeight, bias: torch.Tensor | None = None,
-              config: dict | None = None, path: str | None = None) -> torch.Tensor:
+              config: dict | None = None, path: str | None = None, rms: RmsHandoff | None = None) -> torch.Tensor:
     """``F.linear(x, weight.dequantize(x.dtype), bias)``: x [M, K] -> [M, N]. ``path`` ("gemv",
     "gluon", "swapped", "dequant", "dense") and ``config`` (the kernel's tile: BLOCK_N and BLOCK_KW,
     SPLITS for the GEMV; num_warps, BLOCK_M, STAGES, SPLIT_K for gluon; BLOCK_N, BLOCK_M, SPLIT_K,
     PERM, XSUM_DOT for the swapped kernel; BLOCK_M, BLOCK_N, BLOCK_K for dequant; num_warps,
-    num_stages) override the choice (sweeps, tests). A TiledWeight takes "gluon" or "dense" only."""
+    num_stages) override the choice (sweeps, tests). A TiledWeight takes "gluon" or "dense" only.
+    ``rms``: x is wq_matmul_norm's x, and the sums are scaled by the norm's 1 / rms before the bias
+    (in the Gluon kernel; on other paths after it, by ``rms.apply``)."""
     tiled = isinstance(weight, TiledWeight)
     check_launchable(x, weight.words if tiled else weight.qweight)
     m, k = x.shape
@@ -865,11 +868,13 @@ def wq_matmul(x: torch.Tensor, weight: QuantizedWeight | TiledWeight, bias: torc
                 path = decode_path(weight, m, x.dtype, gluon=False)
     elif path == "gluon":
         assert wq_gluon.gluon_fits(x, weight), "wq_matmul: the Gluon kernel cannot take this call"
+    if rms is not None and (path != "gluon" or m != 1 or rms.parts.numel() > wq_gluon_tune.RMS_MAX_PARTS):
+        return rms.apply(wq_matmul(x, weight, None, config, path), k, bias)
     if path == "gluon":
         ws, cnt = _workspace(x.device, n, -(-n // 64) * -(-WORKSPACE_ROWS // 16))  # a counter a block
         tiles = wq_gluon.gluon_weight(weight)
         cfg = config or wq_gluon_tune.tuned_config(x, tiles, out, bias, ws, cnt, WORKSPACE_ROWS)
-        wq_gluon_tune.wq_gluon(x, tiles, out, bias, ws, cnt, cfg)
+        wq_gluon_tune.wq_gluon(x, tiles, out, bias, ws, cnt, cfg, norm_in=None if rms is None else (rms.parts, rms.eps))
         return out
     if path == "dense":  # cuBLAS on a transient dense copy (module docstring)
         return torch.nn.functional.linear(x, dequantize(weight, x.dtype), bias)
@@ -931,12 +936,15 @@ SILU_MAX_ROWS = 16
 
 
 def wq_matmul_silu(x: torch.Tensor, weight: QuantizedWeight | TiledWeight,
-                   config: dict | None = None) -> torch.Tensor | None:
+                   config: dict | None = None, rms: RmsHandoff | None = None) -> torch.Tensor | None:
     """``silu_and_mul(wq_matmul(x, weight))`` in one launch, weight a gate|up projection ([2I, K],
     gate first): x [M, K] -> [M, I], written by the Gluon kernel's epilogue (kernels/wq_gluon.py's
     _silu_pair), so no kernel runs between this projection and the down projection. None where that
     kernel does not take the call (not a tiled weight, past SILU_MAX_ROWS rows, the tile's BLOCK_N
-    not dividing I, GLUON_SILU off): the caller runs the two. ``config``: the tile (tests)."""
+    not dividing I, GLUON_SILU off): the caller runs the two. ``config``: the tile (tests). ``rms``:
+    as wq_matmul's (the SiLU then applies to the scaled sums)."""
+    if rms is not None and (x.shape[0] != 1 or rms.parts.numel() > wq_gluon_tune.RMS_MAX_PARTS):
+        return None
     if not (GLUON_SILU and isinstance(weight, TiledWeight)) or not x.is_cuda:
         return None
     m, k = x.shape
@@ -951,8 +959,46 @@ def wq_matmul_silu(x: torch.Tensor, weight: QuantizedWeight | TiledWeight,
     if n % (2 * wq_gluon_tune.block_n(cfg)):
         return None
     act = torch.empty(m, n // 2, dtype=x.dtype, device=x.device)
-    wq_gluon_tune.wq_gluon(x, weight, out, None, ws, cnt, cfg, act=act)
+    wq_gluon_tune.wq_gluon(x, weight, out, None, ws, cnt, cfg, act=act,
+                           norm_in=None if rms is None else (rms.parts, rms.eps))
     return act
+
+
+# An add-RMS norm's work left to the two projections around it at one row of x (wq_matmul_norm):
+# KVCASCADE_NORM_HANDOFF=0 runs the norm kernel between them instead (the A/B)
+NORM_HANDOFF = os.environ.get("KVCASCADE_NORM_HANDOFF", "1") != "0"
+
+
+def wq_matmul_norm(x: torch.Tensor, weight: QuantizedWeight | TiledWeight, residual: torch.Tensor,
+                   norm_weight: torch.Tensor, eps: float,
+                   config: dict | None = None) -> tuple[torch.Tensor, torch.Tensor, RmsHandoff] | None:
+    """``rms_norm(wq_matmul(x, weight), norm_weight, eps, residual)`` at one row of x, with no norm
+    kernel: the Gluon kernel's epilogue writes h = x W^T + residual (the new residual, over
+    ``residual``: the model reads the old one no more) and the next
+    projection's x, norm_weight * h, and sums h^2 over each of its output tiles (kernels/wq_gluon.py's
+    _norm_out; kernels/reference.py's norm_handoff_ref says the same in torch); the next projection,
+    called with the returned RmsHandoff (wq_matmul's or wq_matmul_silu's ``rms``), adds those up and
+    scales its sums by 1 / rms. Returns (x for the next projection, h, the handoff), or None where
+    the kernel does not take the call (not a tiled weight, more than one row, a CPU tensor,
+    NORM_HANDOFF off): the caller runs the projection and the norm kernel."""
+    if not (NORM_HANDOFF and isinstance(weight, TiledWeight)) or not x.is_cuda:
+        return None
+    m, k = x.shape
+    n = weight.shape[0]
+    if m != 1 or decode_path(weight, m, x.dtype) != "gluon" or not wq_gluon.x_fits(x):
+        return None
+    if residual.shape != (m, n) or residual.dtype != x.dtype or not residual.is_contiguous() \
+            or norm_weight.shape != (n, ) or not norm_weight.is_contiguous():
+        return None
+    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    ws, cnt = _workspace(x.device, n, -(-n // 64) * -(-WORKSPACE_ROWS // 16))
+    cfg = config or wq_gluon_tune.tuned_config(x, weight, out, None, ws, cnt, WORKSPACE_ROWS)
+    tiles = triton.cdiv(n, wq_gluon_tune.block_n(cfg))
+    if cfg.get("NS", 1) > 1 or tiles > wq_gluon_tune.RMS_MAX_PARTS:
+        return None
+    parts = torch.empty(tiles, dtype=torch.float32, device=x.device)
+    wq_gluon_tune.wq_gluon(x, weight, out, None, ws, cnt, cfg, norm_out=(residual, norm_weight, parts))
+    return out, residual, RmsHandoff(parts, eps)
 
 
 def _swapped(x: torch.Tensor, weight: QuantizedWeight, out: torch.Tensor, bias_arg: torch.Tensor,

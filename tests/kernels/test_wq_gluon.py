@@ -178,6 +178,19 @@ def test_tiles_dequantize_kernel_matches_the_reference(bits, group, k, n):
     torch.testing.assert_close(tiles.rows(ids, torch.float32), w.dequantize()[ids], rtol=0, atol=0)
 
 
+def test_embedding_rows_from_tiles_copy_no_tile_order_after_the_first_lookup():
+    """A tied LM head in tiles serves the embedding (TiledWeight.rows) inside CUDA-graph capture,
+    where a host-to-device copy fails: the tile order goes to a device once (the warm-up's lookup)
+    and is reused after. (On an H200 a tied int4 model's decode graphs failed to capture so,
+    benchmarks/gpu_check.py's norm handoff check, 2026-11-29.)"""
+    w = _weight(n=48, k=256, bits=8)
+    tiles = wq_gluon.tile_weight(w)
+    ids = torch.tensor([5, 0, 47, 5])
+    torch.testing.assert_close(tiles.rows(ids, torch.float32), w.dequantize()[ids])
+    first = wq_gluon._on_device(wq_gluon.INT8_TILE_ORDER, torch.device("cpu"))
+    assert wq_gluon._on_device(wq_gluon.INT8_TILE_ORDER, torch.device("cpu")) is first
+
+
 def test_a_finalized_projection_keeps_only_the_tiles(monkeypatch):
     """The model's int4 projection after finalize on sm_90 (faked here; the kernels run on CPU under
     the interpreter): the natural buffers are gone, nbytes counts the tiles once, and its matmul
@@ -260,7 +273,7 @@ def test_the_mlp_takes_the_silu_from_the_gate_up_kernel_where_it_can(monkeypatch
     assert mlp.fused_act
     calls = []
 
-    def fused(x2, weight):
+    def fused(x2, weight, rms=None):
         calls.append(x2.shape)
         return silu_and_mul_ref(x2 @ weight.dequantize(x2.dtype).T) if len(calls) == 1 else None
 
@@ -329,13 +342,85 @@ print("silu epilogue: all ok")
 '''
 
 
-def test_the_silu_epilogue_matches_the_two_kernels_on_a_gpu():
+def run_on_sm90(script: str) -> None:
+    """Runs a GPU check script compiled (not under the interpreter); skips without an sm_90 GPU."""
     if not (torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0) and wq_gluon.HAS_GLUON):
         pytest.skip("needs an sm_90 GPU")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run([sys.executable, "-c", GPU_SILU_CHECK], cwd=ROOT, env=env, capture_output=True, text=True,
+    proc = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=600)
     assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_the_silu_epilogue_matches_the_two_kernels_on_a_gpu():
+    run_on_sm90(GPU_SILU_CHECK)
+
+
+# An add-RMS norm handed from one projection to the next (wq_matmul_norm, then wq_matmul or
+# wq_matmul_silu with rms) against the projection, the norm kernel and the next projection, on an
+# sm_90 GPU (run without the interpreter)
+GPU_NORM_CHECK = r"""
+import torch
+from kernels import rms_norm, silu_and_mul
+from kernels import wq_matmul
+from kernels.wquant import quantize
+
+torch.manual_seed(0)
+H, I = 1024, 1024  # hidden, and gate|up's halves
+
+
+def packed(n, k, bits):
+    w = quantize(torch.randn(n, k), bits, 128)
+    w.scales = w.scales.bfloat16().cuda()
+    w.biases = None if w.biases is None else w.biases.bfloat16().cuda()
+    w.qweight = w.qweight.cuda()
+    return w, wq_matmul.prepare(w)
+
+
+producers = (dict(BLOCK_N=64, num_warps=4, BLOCK_M=8, STAGES=4, SPLIT_K=4, WS=True, NC=2),  # o_proj's
+             dict(BLOCK_N=64, num_warps=4, BLOCK_M=8, STAGES=4, SPLIT_K=4, WS=True, GC=64),  # down's
+             dict(BLOCK_N=64, num_warps=4, BLOCK_M=8, STAGES=4, SPLIT_K=1, WS=True),
+             dict(BLOCK_N=128, num_warps=4, BLOCK_M=16, STAGES=4, SPLIT_K=2, WS=False))
+consumers = (dict(BLOCK_N=64, num_warps=4, BLOCK_M=8, STAGES=4, SPLIT_K=2, WS=True, GC=80),  # qkv's
+             dict(BLOCK_N=64, num_warps=4, BLOCK_M=8, STAGES=4, SPLIT_K=1, WS=True, GC=64),  # gate_up's
+             dict(BLOCK_N=64, num_warps=4, BLOCK_M=8, STAGES=4, SPLIT_K=2, WS=True, NC=2),
+             dict(BLOCK_N=64, num_warps=4, BLOCK_M=16, STAGES=4, SPLIT_K=1, WS=False))
+for bits in (4, 8):
+    w_o, t_o = packed(H, 2048, bits)
+    w_n, t_n = packed(2 * I, H, bits)
+    bias = torch.randn(2 * I, dtype=torch.bfloat16, device="cuda")
+    nw = (torch.rand(H, device="cuda") + 0.5).bfloat16()
+    for pc in producers:
+        for rep in range(2):  # twice: the split counters are back at zero after a call
+            x = torch.randn(1, 2048, dtype=torch.bfloat16, device="cuda")
+            residual = torch.randn(1, H, dtype=torch.bfloat16, device="cuda") * 4
+            expected_x, expected_h = rms_norm(wq_matmul.wq_matmul(x, t_o, config=pc, path="gluon"), nw, 1e-5,
+                                              residual)
+            xn, h, rms = wq_matmul.wq_matmul_norm(x, t_o, residual.clone(), nw, 1e-5, config=pc)
+            torch.cuda.synchronize()
+            # the same sum, rounded as the norm kernel rounds it (a split's atomics may add in
+            # another order: 1 ulp of the projection's output)
+            torch.testing.assert_close(h, expected_h, atol=0, rtol=0 if pc["SPLIT_K"] == 1 else 1e-2)
+            torch.testing.assert_close(xn, (nw.float() * h.float()).bfloat16(), atol=0, rtol=0)
+            tiles = -(-H // pc["BLOCK_N"])
+            sums = h.float().pow(2).view(tiles, -1).sum(1)
+            torch.testing.assert_close(rms.parts, sums, rtol=1e-5, atol=1e-3)
+            for cc in consumers:
+                got = wq_matmul.wq_matmul(xn, t_n, bias, config=cc, path="gluon", rms=rms)
+                ref = wq_matmul.wq_matmul(expected_x, t_n, bias, config=cc, path="gluon")
+                assert (got.float() - ref.float()).norm() <= 1e-2 * ref.float().norm(), (bits, pc, cc)
+                act = wq_matmul.wq_matmul_silu(xn, t_n, config=cc, rms=rms)
+                ref_act = silu_and_mul(wq_matmul.wq_matmul(expected_x, t_n, config=cc, path="gluon"))
+                assert (act.float() - ref_act.float()).norm() <= 2e-2 * ref_act.float().norm(), (bits, pc, cc)
+        print("ok", bits, pc)
+x2 = torch.randn(2, 2048, dtype=torch.bfloat16, device="cuda")
+assert wq_matmul.wq_matmul_norm(x2, t_o, torch.randn(2, H, dtype=torch.bfloat16, device="cuda"), nw, 1e-5) is None
+print("norm handoff: all ok")
+"""
+
+
+def test_the_norm_handoff_matches_the_norm_kernel_on_a_gpu():
+    run_on_sm90(GPU_NORM_CHECK)
 
 
 def test_configs_split_only_evenly_and_within_the_workspace():
@@ -462,18 +547,28 @@ for bits, bn, warps, bm, stages, split, ws, *act in (
         (8, 128, 4, 128, 3, 1, "ns"), (8, 128, 4, 256, 2, 1, "ns"), (4, 128, 4, 64, 4, 1, "ns"),
         # one row of x, the group-column consumer (GC, at 64 or 80 registers): unsplit, split, the SiLU's
         (4, 64, 4, 8, 4, 1, "gc"), (8, 64, 4, 8, 4, 1, "gc"), (4, 64, 4, 8, 4, 2, "gc80"),
-        (8, 64, 4, 8, 4, 4, "gc80"), (8, 64, 4, 8, 4, 1, "gc", True)):
-    act = bool(act)
+        (8, 64, 4, 8, 4, 4, "gc80"), (8, 64, 4, 8, 4, 1, "gc", True),
+        # an add-RMS norm handed from one projection to the next (one row of x; wq_matmul_norm): its
+        # elementwise part in o_proj's (two consumers, split) and down's epilogue (GC, split 8), its
+        # 1 / rms in qkv's and gate_up's (GC, the SiLU's too), and in the other kernels'
+        (8, 64, 4, 8, 4, 2, 2, False, "out"), (4, 64, 4, 8, 4, 8, "gc", False, "out"),
+        (4, 64, 4, 8, 4, 4, "gc80", False, "in"), (4, 64, 4, 8, 4, 1, "gc", True, "in"),
+        (8, 64, 4, 8, 4, 1, True, False, "out"), (4, 64, 4, 8, 4, 2, True, False, "in"),
+        (4, 64, 4, 8, 4, 2, False, False, "in"), (8, 64, 4, 8, 4, 1, False, False, "out")):
+    act, norm = bool(act and act[0]), (act[1] if len(act) > 1 else "")
     wpt = 128 * bits // 32
     xl = gl.NVMMASharedLayout.get_default_for([bm, 128], gl.bfloat16)
     wl = gl.NVMMASharedLayout.get_default_for([bn, wpt], gl.int32)
     sig = {"x_desc": f"tensordesc<bf16[{bm}, 128],{xl!r}>", "w_desc": f"tensordesc<i32[{bn}, {wpt}],{wl!r}>",
            "sb_ptr": "*i16" if bits == 8 else "*i32", "bias_ptr": "*bf16", "out_ptr": "*bf16", "ws_ptr": "*fp32",
-           "cnt_ptr": "*i32", "act_ptr": "*bf16", "M": "i32", "N": "i32", "K": "i32", "stride_sb": "i32", "stride_om": "i32"}
+           "cnt_ptr": "*i32", "act_ptr": "*bf16", "M": "i32", "N": "i32", "K": "i32", "stride_sb": "i32",
+           "stride_om": "i32", "res_ptr": "*bf16", "nw_ptr": "*bf16", "ss_ptr": "*fp32", "n_parts": "i32",
+           "eps": "fp32"}
     ns, gc = 2 if ws == "ns" else 1, {"gc": 64, "gc80": 80}.get(ws, 0)
     nc, ws = (ws, True) if ws == 2 else (1, bool(ws))  # ws 2: the warp-specialized kernel with two consumers
     cst = dict(GROUP=128, HAS_BIAS=False, BLOCK_N=bn, BLOCK_M=bm, STAGES=stages, SPLIT_K=split, num_warps=warps,
-               INFLIGHT=1, USE_PDL=True, BITS=bits, LATE_LAUNCH=bits == 8, ACT=act, **({"NC": nc} if nc > 1 else {}),
+               INFLIGHT=1, USE_PDL=True, BITS=bits, LATE_LAUNCH=bits == 8, ACT=act, NORM_OUT=norm == "out",
+               NORM_IN=norm == "in", **({"NC": nc} if nc > 1 else {}),
                **({"NS": ns, "GC": int(gc > 0)} if ws else {}))  # (a raw compile takes no defaults)
     if ws:
         sig["x_ptr"] = "*bf16"
@@ -483,7 +578,7 @@ for bits, bn, warps, bm, stages, split, ws, *act in (
     options = {"num_warps": warps, **({"maxnreg": maxnreg} if ws else {})}
     kernel = triton.compile(GluonASTSource(fn, sig, cst), target=GPUTarget("cuda", 90, 32), options=options)
     label = (f"int{bits}, {warps} warps, {bm} rows, {stages} stages, split {split}, warp-specialized {ws}, "
-             f"consumers {nc} (K) {ns} (N), group columns {gc}, SiLU {act}")
+             f"consumers {nc} (K) {ns} (N), group columns {gc}, SiLU {act}, norm {norm or '-'}")
     ttgir, ptx = kernel.asm["ttgir"], kernel.asm["ptx"]
     # two consumers retire each tile in its own step (the other's overlaps it)
     pending = 1 if nc == ns == 1 else 0
@@ -512,8 +607,12 @@ for bits, bn, warps, bm, stages, split, ws, *act in (
                           text=True).stdout
     # no spills; the group-column consumer at 64 registers: none in its main loop (a few bytes around
     # the blocks' scaling, once a block of 8 tiles)
-    assert spill and (spill.group(1) == "0" or gc == 64 and int(spill.group(1)) <= 32), label + ": " + log
-    assert not any(op.startswith(("LDL", "STL")) for op in main_loop(sass)), label
+    assert spill and (spill.group(1) == "0" or gc == 64 and int(spill.group(1)) <= 32
+                      or norm == "out" and nc == 2 and int(spill.group(1)) <= 4), label + ": " + log
+    # in the main loop none, but one register's store and load in int8's two-consumer kernel with
+    # the norm in its epilogue (at 64 registers: 2 of ~690 instructions an iteration)
+    spills = [op for op in main_loop(sass) if op.startswith(("LDL", "STL"))]
+    assert len(spills) <= (2 if norm == "out" and nc == 2 and bits == 8 else 0), label + ": " + str(spills)
     assert "HGMMA" in sass and not sass_inflight_writes(sass), label + ": " + str(sass_inflight_writes(sass)[:3])
     print("ok", label)
 '''

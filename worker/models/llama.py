@@ -13,6 +13,7 @@ from collections.abc import Iterable
 import torch
 import torch.nn as nn
 
+from kernels.reference import RmsHandoff
 from worker.models.attention import get_forward_context
 from worker.models.config import ModelConfig
 from worker.models.dense_packed import pack_dense_projections
@@ -41,7 +42,11 @@ class LlamaAttention(nn.Module):
         self.next_quantized = False  # o_proj is quantized (LlamaForCausalLM.mark_next_quantized)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        return self.o_proj(self.attend(positions, x))
+
+    def attend(self, positions: torch.Tensor, x: torch.Tensor, rms: RmsHandoff | None = None) -> torch.Tensor:
+        """The attention's output, o_proj's input [T, q_size]; ``rms``: x is a norm's handoff (qkv_proj's)."""
+        q, k, v = self.qkv_proj(x, rms).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
@@ -49,7 +54,7 @@ class LlamaAttention(nn.Module):
         kv = meta.kv_caches[self.layer_idx]
         o = meta.backend.forward(q, k, v, kv.k, kv.v, meta, self.scale, rope=(positions, self.rotary),
                                  kv_scales=kv.scales, next_quantized=self.next_quantized)
-        return self.o_proj(o.reshape(-1, self.q_size))
+        return o.reshape(-1, self.q_size)
 
 
 class LlamaMLP(nn.Module):
@@ -65,21 +70,26 @@ class LlamaMLP(nn.Module):
         self.fused_act = False  # gate_up is tiled: its kernel may apply the SiLU too (mark_next_quantized)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.activation(x))
+
+    def activation(self, x: torch.Tensor, rms: RmsHandoff | None = None) -> torch.Tensor:
+        """silu(gate) * up, down_proj's input; ``rms``: x is a norm's handoff (gate_up_proj's)."""
         if self.fused_act:
-            act = _gate_up_silu(self.gate_up_proj, x)
+            act = _gate_up_silu(self.gate_up_proj, x, rms)
             if act is not None:
-                return self.down_proj(act)
-        return self.down_proj(self.act(self.gate_up_proj(x)))
+                return act
+        return self.act(self.gate_up_proj(x, rms))
 
 
-def _gate_up_silu(gate_up: MergedColumnParallelLinear, x: torch.Tensor) -> torch.Tensor | None:
+def _gate_up_silu(gate_up: MergedColumnParallelLinear, x: torch.Tensor,
+                  rms: RmsHandoff | None = None) -> torch.Tensor | None:
     """silu(gate) * up from a tiled gate|up projection in one launch (kernels/wq_matmul.py's
     wq_matmul_silu: the SiLU in the Gluon kernel's epilogue), or None where that kernel does not
     take the call. A rank's gate|up holds its own halves of both, so tensor parallelism changes nothing."""
     from kernels.wq_matmul import wq_matmul_silu
 
     x2 = x.reshape(-1, x.shape[-1]).contiguous()
-    act = wq_matmul_silu(x2, gate_up.weight.data)
+    act = wq_matmul_silu(x2, gate_up.weight.data, rms=rms)
     return None if act is None else act.view(*x.shape[:-1], act.shape[-1])
 
 
@@ -90,16 +100,31 @@ class LlamaDecoderLayer(nn.Module):
         self.mlp = LlamaMLP(cfg, layer_idx, quant)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        # at one row, o_proj and down_proj take the norms after them into their epilogues, the
+        # projections after those their 1 / rms (RowParallelLinear.project_norm; mark_next_quantized)
+        self.norm_handoff = False
 
-    def forward(self, positions, x, residual):
+    def forward(self, positions, x, residual, rms: RmsHandoff | None = None, next_norm: RMSNorm | None = None):
+        """-> (x, residual, rms): the MLP's output and the residual, or, where down_proj took
+        ``next_norm`` (the next layer's input norm) into its epilogue, that norm's handoff: x its
+        part done, ``rms`` the rest (the next layer's qkv_proj applies it). ``rms`` given: x is this
+        layer's input norm's handoff so (``residual`` already the sum)."""
         if residual is None:
             residual = x
             x = self.input_layernorm(x)
-        else:
+        elif rms is None:
             x, residual = self.input_layernorm(x, residual)
-        x = self.self_attn(positions, x)
-        x, residual = self.post_attention_layernorm(x, residual)
-        return self.mlp(x), residual
+        handoff = self.norm_handoff and x.numel() == x.shape[-1]  # one row
+        o = self.self_attn.attend(positions, x, rms)
+        fused = self.self_attn.o_proj.project_norm(o, residual, self.post_attention_layernorm) if handoff else None
+        if fused is None:
+            x, residual = self.post_attention_layernorm(self.self_attn.o_proj(o), residual)
+            rms = None
+        else:
+            x, residual, rms = fused
+        act = self.mlp.activation(x, rms)
+        fused = self.mlp.down_proj.project_norm(act, residual, next_norm) if handoff and next_norm else None
+        return (self.mlp.down_proj(act), residual, None) if fused is None else fused
 
 
 class LlamaModel(nn.Module):
@@ -113,9 +138,10 @@ class LlamaModel(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
-        residual = None
-        for layer in self.layers:
-            x, residual = layer(positions, x, residual)
+        residual = rms = None
+        for i, layer in enumerate(self.layers):
+            next_norm = self.layers[i + 1].input_layernorm if i + 1 < len(self.layers) else None
+            x, residual, rms = layer(positions, x, residual, rms, next_norm)
         x, _ = self.norm(x, residual)
         return x
 
@@ -190,14 +216,17 @@ class LlamaForCausalLM(nn.Module):
     def mark_next_quantized(self) -> None:
         """Tell each small kernel that feeds a projection in the Gluon kernel's tiled form so (the
         norms, the attention, the SiLU): it then lets that projection start two kernels ahead
-        (kernels/_triton.py's early_next); and each MLP whose gate|up is tiled that its kernel
-        may apply the SiLU (LlamaMLP.fused_act)."""
+        (kernels/_triton.py's early_next); each MLP whose gate|up is tiled that its kernel
+        may apply the SiLU (LlamaMLP.fused_act); and each layer whose projections are all tiled
+        that at one row its norms go into them (LlamaDecoderLayer.norm_handoff)."""
         for layer in self.model.layers:
             layer.input_layernorm.next_quantized = tiled(layer.self_attn.qkv_proj)
             layer.self_attn.next_quantized = tiled(layer.self_attn.o_proj)
             layer.post_attention_layernorm.next_quantized = tiled(layer.mlp.gate_up_proj)
             layer.mlp.act.next_quantized = tiled(layer.mlp.down_proj)
             layer.mlp.fused_act = tiled(layer.mlp.gate_up_proj)
+            layer.norm_handoff = all(tiled(p) for p in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
+                                                        layer.mlp.gate_up_proj, layer.mlp.down_proj))
         self.model.norm.next_quantized = tiled(self.lm_head)
 
     def _weight_slots(self) -> dict[str, nn.Parameter | QuantizedLinearWeight]:

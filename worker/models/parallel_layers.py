@@ -20,6 +20,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from kernels.reference import RmsHandoff
 from worker.distributed.group import get_tp
 from worker.distributed.partition import head_shard, split_evenly, vocab_shard
 from worker.models.dense_packed import PackedDenseWeight
@@ -34,8 +35,14 @@ SKINNY_MAX_ROWS = 1
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor | QuantizedLinearWeight | PackedDenseWeight,
-           bias: torch.Tensor | None = None) -> torch.Tensor:
-    if isinstance(weight, (QuantizedLinearWeight, PackedDenseWeight)):
+           bias: torch.Tensor | None = None, rms: RmsHandoff | None = None) -> torch.Tensor:
+    """x W^T + bias; ``rms``: x is a norm's handoff (QuantizedLinearWeight.matmul_norm), whose 1 /
+    rms scales the sums before the bias."""
+    if isinstance(weight, QuantizedLinearWeight):
+        return weight.matmul(x, bias, rms)
+    if rms is not None:
+        return rms.apply(linear(x, weight), x.shape[-1], bias)
+    if isinstance(weight, PackedDenseWeight):
         return weight.matmul(x, bias)
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
     if x.is_cuda and 0 < rows <= SKINNY_MAX_ROWS and x.dtype == weight.dtype:
@@ -91,8 +98,8 @@ class QKVParallelLinear(nn.Module):
         _copy_checked(param.data.narrow(0, offset, count * hd), full.narrow(0, start * hd, count * hd),
                       ("q_proj", "k_proj", "v_proj")[shard_id])
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias)
+    def forward(self, x: torch.Tensor, rms: RmsHandoff | None = None) -> torch.Tensor:
+        return linear(x, self.weight, self.bias, rms)
 
 
 class MergedColumnParallelLinear(nn.Module):
@@ -112,8 +119,8 @@ class MergedColumnParallelLinear(nn.Module):
         offset = sum(c for _, c in self.parts[:shard_id])
         _copy_checked(param.data.narrow(0, offset, count), full.narrow(0, start, count), f"merged part {shard_id}")
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight)
+    def forward(self, x: torch.Tensor, rms: RmsHandoff | None = None) -> torch.Tensor:
+        return linear(x, self.weight, rms=rms)
 
 
 class RowParallelLinear(nn.Module):
@@ -133,6 +140,15 @@ class RowParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return get_tp().all_reduce(linear(x, self.weight))
+
+    def project_norm(self, x: torch.Tensor, residual: torch.Tensor,
+                     norm: nn.Module) -> tuple[torch.Tensor, torch.Tensor, RmsHandoff] | None:
+        """``norm(self(x), residual)`` left to this projection's epilogue and the next projection
+        (QuantizedLinearWeight.matmul_norm), or None (then the caller runs the two): at one tensor
+        parallel rank only (the epilogue sees this rank's partial sums, not the all-reduced ones)."""
+        if get_tp().size > 1 or not isinstance(self.weight, QuantizedLinearWeight):
+            return None
+        return self.weight.matmul_norm(x, residual, norm.weight, norm.eps)
 
 
 class VocabParallelEmbedding(nn.Module):

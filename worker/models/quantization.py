@@ -27,6 +27,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from kernels.reference import RmsHandoff, norm_handoff_ref
 from kernels.wquant import QuantizedWeight, empty_quantized
 from worker.models.dense_packed import PackedDenseWeight
 
@@ -149,9 +150,12 @@ class QuantizedLinearWeight(nn.Module):
         self.qweight = torch.empty(0, dtype=torch.uint8, device=device)
         self.scales = self.biases = torch.empty(0, dtype=self.scales.dtype, device=device)
 
-    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None, rms: RmsHandoff | None = None) -> torch.Tensor:
+        """x W^T + bias; ``rms``: x is ``matmul_norm``'s, and the sums are scaled by its norm's 1 / rms."""
         lead, k = x.shape[:-1], x.shape[-1]
         x2 = x.reshape(-1, k)
+        if rms is not None and not x.is_cuda:
+            return rms.apply(self.matmul(x), k, bias)
         if self._cpu is not None:
             xb = x2.to(torch.bfloat16)
             if self.bits == 4:
@@ -165,11 +169,35 @@ class QuantizedLinearWeight(nn.Module):
             from kernels import HAS_TRITON
             from kernels.wq_matmul import wq_matmul
 
-            out = (wq_matmul(x2.contiguous(), self.data, bias) if HAS_TRITON
-                   else F.linear(x2, self.data.dequantize(x.dtype), bias))  # (no tiles without Triton)
+            if HAS_TRITON:
+                out = wq_matmul(x2.contiguous(), self.data, bias, rms=rms)
+            elif rms is None:  # (no tiles without Triton)
+                out = F.linear(x2, self.data.dequantize(x.dtype), bias)
+            else:
+                out = rms.apply(F.linear(x2, self.data.dequantize(x.dtype)), k, bias)
         else:
             out = F.linear(x2, self.data.dequantize(x.dtype), bias)
         return out.view(*lead, self.shape[0])
+
+    def matmul_norm(self, x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor,
+                    eps: float) -> tuple[torch.Tensor, torch.Tensor, RmsHandoff] | None:
+        """``rms_norm(self.matmul(x), norm_weight, eps, residual)`` for one row of x, the norm left
+        to this projection's epilogue and the next projection (kernels/wq_matmul.py's wq_matmul_norm):
+        (the next projection's x, the new residual, the handoff its ``matmul`` takes as ``rms``), or
+        None where the Gluon kernel does not take it. On the CPU the same contract in torch
+        (kernels/reference.py's norm_handoff_ref): no faster there, it lets the model's wiring be
+        tested where there is no GPU."""
+        if x.is_cuda:
+            from kernels import HAS_TRITON
+
+            if not HAS_TRITON:
+                return None
+            from kernels.wq_matmul import wq_matmul_norm
+
+            return wq_matmul_norm(x.reshape(-1, x.shape[-1]).contiguous(), self.data, residual, norm_weight, eps)
+        if x.numel() != x.shape[-1]:
+            return None
+        return norm_handoff_ref(self.matmul(x), residual, norm_weight, eps)
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """Embedding rows from an int8 weight (a tied LM head's)."""
