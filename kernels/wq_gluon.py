@@ -440,13 +440,12 @@ if HAS_GLUON:
         offs_m = off_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, mma))
         mask = gl.expand_dims(offs_n < N, 1) & gl.expand_dims(offs_m < M, 0)
         out_ptrs = out_ptr + gl.expand_dims(offs_m, 0) * stride_om + gl.expand_dims(offs_n, 1)
+        if NORM_OUT:  # asked for first (by every split): their round trip overlaps the count's
+            res = gl.load(res_ptr + gl.expand_dims(offs_m, 0) * N + gl.expand_dims(offs_n, 1), mask=mask, other=0.0)
+            nw = gl.load(nw_ptr + gl.minimum(offs_n, N - 1))
         if SPLIT_K > 1:
             ws_ptrs = ws_ptr + gl.expand_dims(offs_m, 0) * N + gl.expand_dims(offs_n, 1)
             gl.atomic_add(ws_ptrs, acc, mask=mask, sem="relaxed")
-            if NORM_OUT:  # asked for by every split before the count: their round trip overlaps its
-                res = gl.load(res_ptr + gl.expand_dims(offs_m, 0) * N + gl.expand_dims(offs_n, 1), mask=mask,
-                              other=0.0)
-                nw = gl.load(nw_ptr + gl.minimum(offs_n, N - 1))
             gl.thread_barrier()  # every thread's adds issued before the count (released by the atomic)
             tile = pid_m * gl.num_programs(0) + pid_n
             if gl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel") == SPLIT_K - 1:
@@ -465,10 +464,7 @@ if HAS_GLUON:
             if HAS_BIAS:
                 acc += gl.expand_dims(gl.load(bias_ptr + gl.minimum(offs_n, N - 1)).to(gl.float32), 1)
             if NORM_OUT:
-                res = gl.load(res_ptr + gl.expand_dims(offs_m, 0) * N + gl.expand_dims(offs_n, 1), mask=mask,
-                              other=0.0)
-                _norm_out(acc, res, gl.load(nw_ptr + gl.minimum(offs_n, N - 1)), offs_n, offs_m, mask, pid_n,
-                          out_ptr, res_ptr, ss_ptr, M, N, stride_om)
+                _norm_out(acc, res, nw, offs_n, offs_m, mask, pid_n, out_ptr, res_ptr, ss_ptr, M, N, stride_om)
             else:
                 gl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
             if ACT:

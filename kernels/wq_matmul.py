@@ -871,7 +871,7 @@ def wq_matmul(x: torch.Tensor, weight: QuantizedWeight | TiledWeight, bias: torc
     if rms is not None and (path != "gluon" or m != 1 or rms.parts.numel() > wq_gluon_tune.RMS_MAX_PARTS):
         return rms.apply(wq_matmul(x, weight, None, config, path), k, bias)
     if path == "gluon":
-        ws, cnt = _workspace(x.device, n, -(-n // 64) * -(-WORKSPACE_ROWS // 16))  # a counter a block
+        ws, cnt = _workspace(x.device, n, _split_counters(n))
         tiles = wq_gluon.gluon_weight(weight)
         cfg = config or wq_gluon_tune.tuned_config(x, tiles, out, bias, ws, cnt, WORKSPACE_ROWS)
         wq_gluon_tune.wq_gluon(x, tiles, out, bias, ws, cnt, cfg, norm_in=None if rms is None else (rms.parts, rms.eps))
@@ -926,6 +926,18 @@ def wq_matmul(x: torch.Tensor, weight: QuantizedWeight | TiledWeight, bias: torc
     return out
 
 
+def _tiled_gluon_call(x: torch.Tensor, weight: QuantizedWeight | TiledWeight) -> bool:
+    """Whether a tiled weight's Gluon kernel takes x as it is (the epilogue variants' condition:
+    wq_matmul_silu, wq_matmul_norm)."""
+    return (isinstance(weight, TiledWeight) and x.is_cuda and decode_path(weight, x.shape[0], x.dtype) == "gluon"
+            and wq_gluon.x_fits(x))
+
+
+def _split_counters(n: int) -> int:
+    """The Gluon kernel's split counters for n output columns: one a 64-column block of WORKSPACE_ROWS rows."""
+    return -(-n // 64) * -(-WORKSPACE_ROWS // 16)
+
+
 # A gated MLP's SiLU in the gate|up projection's epilogue where the Gluon kernel takes it
 # (wq_matmul_silu), up to SILU_MAX_ROWS rows: H100, dummy Llama-3.1-8B (docs/BENCHMARKS.md), int8
 # batch 1 3.57-3.59 -> 3.55 ms, but batch 64 slower (int4 4.12 -> 4.22: the pairs' second tiles read
@@ -945,16 +957,14 @@ def wq_matmul_silu(x: torch.Tensor, weight: QuantizedWeight | TiledWeight,
     as wq_matmul's (the SiLU then applies to the scaled sums)."""
     if rms is not None and (x.shape[0] != 1 or rms.parts.numel() > wq_gluon_tune.RMS_MAX_PARTS):
         return None
-    if not (GLUON_SILU and isinstance(weight, TiledWeight)) or not x.is_cuda:
-        return None
     m, k = x.shape
     n = weight.shape[0]
-    if not 0 < m <= SILU_MAX_ROWS or n % 2 or decode_path(weight, m, x.dtype) != "gluon" or not wq_gluon.x_fits(x):
+    if not (GLUON_SILU and 0 < m <= SILU_MAX_ROWS and n % 2 == 0 and _tiled_gluon_call(x, weight)):
         return None
     assert weight.shape[1] == k
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)  # gate|up, read back by the pairs' second tiles
     # the split counters, then a counter a pair of output tiles (BLOCK_N 64 and BLOCK_M 8 at most)
-    ws, cnt = _workspace(x.device, n, max(-(-n // 64) * -(-WORKSPACE_ROWS // 16), -(-m // 8) * -(-n // 64) * 3 // 2))
+    ws, cnt = _workspace(x.device, n, max(_split_counters(n), -(-m // 8) * -(-n // 64) * 3 // 2))
     cfg = config or wq_gluon_tune.tuned_config(x, weight, out, None, ws, cnt, WORKSPACE_ROWS)
     if n % (2 * wq_gluon_tune.block_n(cfg)):
         return None
@@ -981,17 +991,14 @@ def wq_matmul_norm(x: torch.Tensor, weight: QuantizedWeight | TiledWeight, resid
     scales its sums by 1 / rms. Returns (x for the next projection, h, the handoff), or None where
     the kernel does not take the call (not a tiled weight, more than one row, a CPU tensor,
     NORM_HANDOFF off): the caller runs the projection and the norm kernel."""
-    if not (NORM_HANDOFF and isinstance(weight, TiledWeight)) or not x.is_cuda:
-        return None
-    m, k = x.shape
-    n = weight.shape[0]
-    if m != 1 or decode_path(weight, m, x.dtype) != "gluon" or not wq_gluon.x_fits(x):
+    m, n = x.shape[0], weight.shape[0]
+    if not (NORM_HANDOFF and m == 1 and _tiled_gluon_call(x, weight)):
         return None
     if residual.shape != (m, n) or residual.dtype != x.dtype or not residual.is_contiguous() \
             or norm_weight.shape != (n, ) or not norm_weight.is_contiguous():
         return None
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    ws, cnt = _workspace(x.device, n, -(-n // 64) * -(-WORKSPACE_ROWS // 16))
+    ws, cnt = _workspace(x.device, n, _split_counters(n))
     cfg = config or wq_gluon_tune.tuned_config(x, weight, out, None, ws, cnt, WORKSPACE_ROWS)
     tiles = triton.cdiv(n, wq_gluon_tune.block_n(cfg))
     if cfg.get("NS", 1) > 1 or tiles > wq_gluon_tune.RMS_MAX_PARTS:

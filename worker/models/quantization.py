@@ -27,6 +27,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from kernels import HAS_TRITON
 from kernels.reference import RmsHandoff, norm_handoff_ref
 from kernels.wquant import QuantizedWeight, empty_quantized
 from worker.models.dense_packed import PackedDenseWeight
@@ -115,8 +116,6 @@ class QuantizedLinearWeight(nn.Module):
         its kernels want (kernels/wq_matmul.prepare: on sm_90, int4 and int8 repacked into
         the Gluon kernel's tiles, which replace the natural nibbles), before the KV pool is sized."""
         if self.qweight.device.type != "cpu":
-            from kernels import HAS_TRITON
-
             if self.qweight.is_cuda and HAS_TRITON and self._tiles is None:
                 from kernels.wq_matmul import prepare
 
@@ -154,7 +153,7 @@ class QuantizedLinearWeight(nn.Module):
         """x W^T + bias; ``rms``: x is ``matmul_norm``'s, and the sums are scaled by its norm's 1 / rms."""
         lead, k = x.shape[:-1], x.shape[-1]
         x2 = x.reshape(-1, k)
-        if rms is not None and not x.is_cuda:
+        if rms is not None and not (x.is_cuda and HAS_TRITON):  # (wq_matmul takes it on the GPU)
             return rms.apply(self.matmul(x), k, bias)
         if self._cpu is not None:
             xb = x2.to(torch.bfloat16)
@@ -166,15 +165,10 @@ class QuantizedLinearWeight(nn.Module):
             if bias is not None:
                 out = out + bias
         elif x.is_cuda:
-            from kernels import HAS_TRITON
             from kernels.wq_matmul import wq_matmul
 
-            if HAS_TRITON:
-                out = wq_matmul(x2.contiguous(), self.data, bias, rms=rms)
-            elif rms is None:  # (no tiles without Triton)
-                out = F.linear(x2, self.data.dequantize(x.dtype), bias)
-            else:
-                out = rms.apply(F.linear(x2, self.data.dequantize(x.dtype)), k, bias)
+            out = (wq_matmul(x2.contiguous(), self.data, bias, rms=rms) if HAS_TRITON
+                   else F.linear(x2, self.data.dequantize(x.dtype), bias))  # (no tiles without Triton)
         else:
             out = F.linear(x2, self.data.dequantize(x.dtype), bias)
         return out.view(*lead, self.shape[0])
@@ -188,8 +182,6 @@ class QuantizedLinearWeight(nn.Module):
         (kernels/reference.py's norm_handoff_ref): no faster there, it lets the model's wiring be
         tested where there is no GPU."""
         if x.is_cuda:
-            from kernels import HAS_TRITON
-
             if not HAS_TRITON:
                 return None
             from kernels.wq_matmul import wq_matmul_norm
