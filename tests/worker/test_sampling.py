@@ -90,6 +90,18 @@ def test_logprobs_of_chosen_and_top_alternatives(make_engine, prompt_ids):
         assert math.fsum(math.exp(v) for v in vals) <= 1 + 1e-5
 
 
+def test_generate_logprobs_gives_each_output_tokens_logprob_in_a_batch(make_engine, prompt_ids, hf_reference):
+    engine = make_engine()
+    greedy = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, logprobs=0)
+    runs = engine.generate_logprobs(prompt_ids[:4], [greedy, greedy, greedy, SamplingParams(max_tokens=3)])
+    for (toks, lps), ref in zip(runs[:3], hf_reference):
+        assert toks == ref[:6] and len(lps) == 6 and all(lp <= 0 for lp in lps)
+    assert len(runs[3][0]) == 3 and runs[3][1] == []  # no logprobs asked for: none
+    # each one what the request alone reports, in the batch's order
+    alone = engine.generate_logprobs([prompt_ids[1]], greedy)[0]
+    assert alone[0] == runs[1][0] and alone[1] == pytest.approx(runs[1][1], abs=1e-4)
+
+
 def test_max_tokens_eos_and_stop_token_ids(make_engine, prompt_ids, hf_reference):
     engine = make_engine()
     toks, _, out = run(engine, [prompt_ids[0]], SamplingParams(max_tokens=3, temperature=0))[0]

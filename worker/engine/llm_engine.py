@@ -402,13 +402,20 @@ class LLMEngine:
 
     def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]) -> list[list[int]]:
         """Run prompts (token ids) to completion in one batch; the output token ids of each."""
+        return [tokens for tokens, _ in self.generate_logprobs(prompts, params)]
+
+    def generate_logprobs(self, prompts: list[list[int]],
+                          params: SamplingParams | list[SamplingParams]) -> list[tuple[list[int], list[float]]]:
+        """``generate``, with the logprob of each output token (empty where ``params.logprobs`` is None)."""
         plist = params if isinstance(params, list) else [params] * len(prompts)
         ids = [self.add_request(p, sp) for p, sp in zip(prompts, plist)]
-        tokens: dict[str, list[int]] = {i: [] for i in ids}
+        runs: dict[str, tuple[list[int], list[float]]] = {i: ([], []) for i in ids}
         while self.has_unfinished():
             for out in self.step():
-                tokens[out.request_id].extend(out.new_token_ids)
-        return [tokens[i] for i in ids]
+                tokens, logprobs = runs[out.request_id]
+                tokens.extend(out.new_token_ids)
+                logprobs.extend(e.logprob for e in out.logprobs or [])
+        return [runs[i] for i in ids]
 
     def stats(self) -> EngineStats:
         bm = self.block_manager
