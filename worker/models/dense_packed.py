@@ -11,6 +11,13 @@ Each row's bits do not depend on how many rows share the call up to 11 rows on e
 measured (tests/worker/test_dense_packed.py checks it), so a batch-1 greedy verification of up to
 10 drafts gives the plain decode's tokens. oneDNN splits K across threads at some larger row
 counts (12-23 rows of the 8960-deep down projection on 2 threads), which rounds differently there.
+Where oneDNN has no AMX (an AMD EPYC with AVX512-BF16, 2026-11-29) its one-row kernel rounds
+differently from the kernel of 2-24 rows, which agree among themselves on every row, on three of
+SmolLM2's and Qwen2.5-1.5B's four projection shapes (the fp32 sums differ in their last bits, so
+only some of a row's bf16 outputs show it, and not for every input: no cheap check at load sees it
+reliably). Without AMX a lone row therefore runs as the first of two (``one_row_as_two``), at +0-20%
+of a one-row call there (Qwen2.5-1.5B's gate_up 0.61 -> 0.73 ms, down 0.57 -> 0.57, SmolLM2's
+head 2.28 -> 2.53).
 
 ``KVCASCADE_CPU_PACK=0`` keeps the plain weights (``F.linear``), for A/B runs.
 """
@@ -42,6 +49,7 @@ class PackedDenseWeight(nn.Module):
         self._nbytes = weight.numel() * weight.element_size()
         # The batch-size hint only picks the reorder's blocking; 1 is what decode calls with.
         self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), 1)
+        self.one_row_as_two = not torch.cpu._is_amx_tile_supported()  # module docstring
 
     def nbytes(self) -> int:
         return self._nbytes
@@ -50,7 +58,9 @@ class PackedDenseWeight(nn.Module):
         out_features, in_features = self.shape
         rows = x.numel() // in_features
         x2 = x.reshape(rows, in_features).to(self.dtype)
-        out = torch.ops.mkldnn._linear_pointwise(x2, self.packed, bias, "none", [], "")
+        if rows == 1 and self.one_row_as_two:
+            x2 = x2.expand(2, in_features)
+        out = torch.ops.mkldnn._linear_pointwise(x2, self.packed, bias, "none", [], "")[:rows]
         return out.view(*x.shape[:-1], out_features).to(x.dtype)
 
 
