@@ -53,6 +53,8 @@ GLUON_WS_TILES = [(64, 4, 8, 3, True), (64, 4, 8, 4, True), (64, 4, 8, 4, True, 
                   (128, 4, 256, 2, True, 1, 2)]
 GLUON_NS = os.environ.get("KVCASCADE_GLUON_NS", "1") != "0"  # off: no NS tiles timed (the A/B)
 GLUON_GC = os.environ.get("KVCASCADE_GLUON_GC", "1") != "0"  # off: no GC tiles timed (the A/B)
+# GC tiles take x from the consumer, not the producer's TMA (kernels/wq_gluon_ws.py's GCX); off: the A/B
+GLUON_GC_X = os.environ.get("KVCASCADE_GLUON_GC_X", "1") != "0"
 WS_NS_MAXNREG = 168  # 12 warps at launch (the producer warp is padded to a warpgroup): 64 K registers an SM
 GLUON_SPLITS = (1, 2, 4, 8)
 # the most output tiles a projection that hands an RMS norm on (wq_gluon.py's _norm_out) may have: the
@@ -149,7 +151,8 @@ def disk_cache(device: torch.device) -> TuneCache:
         fingerprint = dict(gpu=props.name, capability=f"{props.major}.{props.minor}", sms=props.multi_processor_count,
                            torch=torch.__version__, triton=triton.__version__, source=source_hash(*sources),
                            pdl=bool(ANY_PDL and wq_gluon_mod.PDL), pdl_late=str(wq_gluon_mod.PDL_LATE),
-                           pdl_late_rows=wq_gluon_mod.PDL_LATE_ROWS, ns=GLUON_NS, gc=GLUON_GC)
+                           pdl_late_rows=wq_gluon_mod.PDL_LATE_ROWS, ns=GLUON_NS, gc=GLUON_GC,
+                           gc_x=GLUON_GC_X)
         cache = _disk[index] = TuneCache("wq_gluon", fingerprint)
     return cache
 
@@ -254,7 +257,7 @@ def _launch(x: torch.Tensor, words: torch.Tensor, sb: torch.Tensor, group: int, 
         extra = dict(maxnreg=WS_NS_MAXNREG if ns > 1 else gc or wq_gluon_mod.WS_MAXNREG[bm], x_ptr=x)
         if gc:  # its register cap
             assert m == 1, m
-            extra["GC"] = 1
+            extra.update(GC=1, GCX=GLUON_GC_X)
         if config.get("NC", 1) > 1:
             extra["NC"] = config["NC"]
         if ns > 1:

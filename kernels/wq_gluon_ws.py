@@ -26,6 +26,13 @@ once a block of 8 tiles the consumer waits for its wgmmas and adds s P (int8) or
 so the outputs are closer to q s + b than the dequantized tile's (relative error 1.6-1.7e-3 against
 2.3e-3). Reading an accumulator while other wgmmas fly made ptxas serialize them (C7514, the
 tile-scale trial in docs/BENCHMARKS.md), so a block ends with its chain drained: one wait in 8 tiles.
+
+With GCX (the group-column tiles as launched) x does not come through the ring: the consumer loads a
+block's 8 tiles of x a block ahead into registers (8 bf16 a thread) and, once the block before is
+drained, stores them as the 8 operand tiles the producer's boxes used to fill (tile j: x's tile in
+row j, zeros in the others), so the producer streams the weight alone and never waits for the
+kernel before. In the engine that was -13 to -16 µs a batch-1 step in int4 on an H200; leaving
+x out of the ring altogether (wrong outputs) bounded it at -46 to -50 (docs/BENCHMARKS.md).
 """
 
 from __future__ import annotations
@@ -38,40 +45,46 @@ if HAS_GLUON:
     from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                                   warpgroup_mma_wait)
 
-    from kernels.wq_gluon import (_BK, _inv_rms, _pdl_wait, _rms_parts, _store, _unpack_tile, _unpack_tile_gc,
-                                  _words_layout)
+    from kernels.wq_gluon import (_BK, _inv_rms, _pdl_launch, _pdl_wait, _rms_parts, _store, _unpack_tile,
+                                  _unpack_tile_gc, _words_layout)
 
     WS_NC2_REGS = gl.constexpr(64)  # the second consumer warpgroup's registers (a worker partition's)
 
     @gluon.jit
     def _producer(x_desc, w_desc, x_smem, w_smem, ready, empty, off_m, off_n, t0, tiles, STAGES: gl.constexpr,
-                  USE_PDL: gl.constexpr, WPT: gl.constexpr, LATE_LAUNCH: gl.constexpr, GC: gl.constexpr = 0):
+                  USE_PDL: gl.constexpr, WPT: gl.constexpr, LATE_LAUNCH: gl.constexpr, GC: gl.constexpr = 0,
+                  XTMA: gl.constexpr = True):
         """The TMA ring: the weights' first stages before the wait for the kernel before (PDL), x's
         after, then each tile once the consumer released the tile STAGES before it. GC > 0 (one row of
         x, GC columns): tile i's x lands in row i % GC of its stage, the box's other rows zero (TMA fills rows
-        outside the tensor with zeros, those above its first row too)."""
-        nbytes: gl.constexpr = x_desc.block_type.nbytes + w_desc.block_type.nbytes
+        outside the tensor with zeros, those above its first row too). XTMA False (GCX): the weights
+        only, never waiting for the kernel before (no kernel writes them); the consumer puts x in place."""
+        nbytes: gl.constexpr = (x_desc.block_type.nbytes if XTMA else 0) + w_desc.block_type.nbytes
         for i in gl.static_range(STAGES):
             pred = i < tiles
             mbarrier.expect(ready.index(i), nbytes, pred=pred)
             tma.async_copy_global_to_shared(w_desc, [off_n, (t0 + i) * WPT], ready.index(i), w_smem.index(i), pred)
-        if USE_PDL:
+        if USE_PDL and XTMA:
             _pdl_wait(not LATE_LAUNCH)  # late: the consumer's wait at the end schedules the next kernel
-        for i in gl.static_range(STAGES):
-            xrow = off_m
-            if GC:
-                xrow = off_m - i % GC
-            tma.async_copy_global_to_shared(x_desc, [xrow, (t0 + i) * _BK], ready.index(i), x_smem.index(i),
-                                            i < tiles)
+        elif USE_PDL and not LATE_LAUNCH:
+            _pdl_launch()
+        if XTMA:
+            for i in gl.static_range(STAGES):
+                xrow = off_m
+                if GC:
+                    xrow = off_m - i % GC
+                tma.async_copy_global_to_shared(x_desc, [xrow, (t0 + i) * _BK], ready.index(i), x_smem.index(i),
+                                                i < tiles)
         for i in range(STAGES, tiles):
             s = i % STAGES
             mbarrier.wait(empty.index(s), (i // STAGES - 1) & 1)
             mbarrier.expect(ready.index(s), nbytes)
             tma.async_copy_global_to_shared(w_desc, [off_n, (t0 + i) * WPT], ready.index(s), w_smem.index(s))
-            xrow = off_m
-            if GC:
-                xrow = off_m - i % GC
-            tma.async_copy_global_to_shared(x_desc, [xrow, (t0 + i) * _BK], ready.index(s), x_smem.index(s))
+            if XTMA:
+                xrow = off_m
+                if GC:
+                    xrow = off_m - i % GC
+                tma.async_copy_global_to_shared(x_desc, [xrow, (t0 + i) * _BK], ready.index(s), x_smem.index(s))
 
     @gluon.jit
     def _consumer_tile(i, t0, tiles, acc, sb, sb_ptrs, x_smem, w_smem, ready, empty, a_layout: gl.constexpr,
@@ -140,13 +153,15 @@ if HAS_GLUON:
 
     @gluon.jit
     def _gc_tile(i, release, acc, x_smem, w_smem, ready, empty, a_layout: gl.constexpr, w_layout: gl.constexpr,
-                 BLOCK_N: gl.constexpr, STAGES: gl.constexpr, BITS: gl.constexpr):
+                 BLOCK_N: gl.constexpr, STAGES: gl.constexpr, BITS: gl.constexpr, GC: gl.constexpr = 8,
+                 GCX: gl.constexpr = False):
         """Tile i of the group-column consumer: its wgmma issued, the tile before retired and (release)
-        its stage released."""
+        its stage released. GCX: its x is x_smem's tile i % GC (_x_diag), not its stage's."""
         stage = i % STAGES
         mbarrier.wait(ready.index(stage), (i // STAGES) & 1)
         a = _unpack_tile_gc(w_smem.index(stage).load(w_layout), a_layout, BLOCK_N, BITS)
-        acc = warpgroup_mma(a, x_smem.index(stage).permute((1, 0)), acc, is_async=True)
+        xt = x_smem.index(i % GC) if GCX else x_smem.index(stage)
+        acc = warpgroup_mma(a, xt.permute((1, 0)), acc, is_async=True)
         acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))
         mbarrier.arrive(empty.index((i + STAGES - 1) % STAGES), pred=release)
         return acc
@@ -154,22 +169,26 @@ if HAS_GLUON:
     @gluon.jit
     def _gc_block(blk, total, x_ptr, x_offs, x_smem, w_smem, ready, empty, sb_rows, cols, t0, tiles,
                   a_layout: gl.constexpr, w_layout: gl.constexpr, mma: gl.constexpr, BLOCK_N: gl.constexpr,
-                  STAGES: gl.constexpr, TPG: gl.constexpr, BITS: gl.constexpr, GC: gl.constexpr):
+                  STAGES: gl.constexpr, TPG: gl.constexpr, BITS: gl.constexpr, GC: gl.constexpr,
+                  GCX: gl.constexpr = False, xv=None):
         """Block blk of GC tiles (nt of them: GC, or the split's last few, an even number), added into
-        total. Its scales (and int4's x) are asked for first, so their latency passes under its tiles."""
+        total. Its scales (and int4's x) are asked for first, so their latency passes under its tiles.
+        GCX: its x is ``xv`` ([GC, 128], asked for a block ahead), put in place here (_x_diag)."""
         nt = gl.minimum(tiles - blk * GC, GC)
         tile0 = t0 + blk * GC
         sb = gl.load(sb_rows + gl.expand_dims((tile0 + gl.minimum(cols, nt - 1)) // TPG, 0))
-        if BITS == 4:
+        if GCX:
+            _x_diag(xv, x_smem, GC)
+        elif BITS == 4:
             xv = gl.load(x_ptr + tile0 * _BK + x_offs, mask=x_offs < nt * _BK, other=0.0)
         acc = gl.zeros([BLOCK_N, GC], gl.float32, mma)
         # two tiles an iteration, not unrolled: the loop stays as small as the other kernels' (the
         # block unrolled, 8 tiles, was 12-19 KB of code a loop)
         for p in range(nt // 2):
             acc = _gc_tile(blk * GC + 2 * p, p > 0, acc, x_smem, w_smem, ready, empty, a_layout, w_layout, BLOCK_N,
-                           STAGES, BITS)
+                           STAGES, BITS, GC, GCX)
             acc = _gc_tile(blk * GC + 2 * p + 1, True, acc, x_smem, w_smem, ready, empty, a_layout, w_layout,
-                           BLOCK_N, STAGES, BITS)
+                           BLOCK_N, STAGES, BITS, GC, GCX)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
         mbarrier.arrive(empty.index((blk * GC + nt - 1) % STAGES))
         if BITS == 8:
@@ -182,12 +201,29 @@ if HAS_GLUON:
         return total
 
     @gluon.jit
+    def _x_block(x_ptr, x_offs, t0, blk, tiles, GC: gl.constexpr):
+        """x's block blk of GC tiles of the split, [GC, 128] (row j: tile blk GC + j), zero past its end."""
+        return gl.load(x_ptr + (t0 + blk * GC) * _BK + x_offs, mask=x_offs < (tiles - blk * GC) * _BK, other=0.0)
+
+    @gluon.jit
+    def _x_diag(xv, x_smem, GC: gl.constexpr):
+        """A block's x into the wgmma's operand (GCX): x_smem's tile j [GC, 128] gets x's tile j in
+        its row j and zeros in the others (what the producer's 8-row TMA box from row -j puts in a
+        stage), from the block's x in registers, once a block; the block before's wgmmas are
+        retired (_gc_block drains its chain), and the barrier makes every warp's stores its."""
+        rows = gl.expand_dims(gl.arange(0, GC, layout=gl.SliceLayout(1, xv.type.layout)), 1)
+        for j in gl.static_range(GC):
+            x_smem.index(j).store(gl.where(rows == j, xv, gl.zeros_like(xv)))
+        fence_async_shared()
+        gl.thread_barrier()
+
+    @gluon.jit
     def _consumer_gc(x_ptr, x_smem, w_smem, ready, empty, sb_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr, act_ptr, M, N,
                      stride_sb, stride_om, off_n, pid_n, t0, tiles, GROUP: gl.constexpr, HAS_BIAS: gl.constexpr,
                      BLOCK_N: gl.constexpr, STAGES: gl.constexpr, SPLIT_K: gl.constexpr, USE_PDL: gl.constexpr,
                      num_warps: gl.constexpr, BITS: gl.constexpr, ACT: gl.constexpr, GC: gl.constexpr, K=0,
                      res_ptr=None, nw_ptr=None, ss_ptr=None, n_parts=0, eps=0.0,
-                     NORM_OUT: gl.constexpr = False, NORM_IN: gl.constexpr = False):
+                     NORM_OUT: gl.constexpr = False, NORM_IN: gl.constexpr = False, GCX: gl.constexpr = False):
         """The group-column consumer (one row of x; the module docstring): tile i's wgmma adds the
         unpacked tile without its scale (int4 128 + q, int8 q) times x into column i % GC, where the
         producer put x's row; once a block of GC tiles, the accumulator's column j (tile j's sums P_j,
@@ -211,9 +247,17 @@ if HAS_GLUON:
         if NORM_IN:
             inv_rms = _inv_rms(_rms_parts(ss_ptr, n_parts, num_warps), K, eps)
         total = gl.zeros([BLOCK_N, GC], gl.float32, mma)
-        for blk in range(gl.cdiv(tiles, GC)):
-            total = _gc_block(blk, total, x_ptr, x_offs, x_smem, w_smem, ready, empty, sb_rows, cols, t0, tiles,
-                              a_layout, w_layout, mma, BLOCK_N, STAGES, TPG, BITS, GC)
+        if GCX:  # x a block ahead, in registers (8 bf16 a thread)
+            xn = _x_block(x_ptr, x_offs, t0, 0, tiles, GC)
+            for blk in range(gl.cdiv(tiles, GC)):
+                xv = xn
+                xn = _x_block(x_ptr, x_offs, t0, blk + 1, tiles, GC)
+                total = _gc_block(blk, total, x_ptr, x_offs, x_smem, w_smem, ready, empty, sb_rows, cols, t0, tiles,
+                                  a_layout, w_layout, mma, BLOCK_N, STAGES, TPG, BITS, GC, GCX, xv)
+        else:
+            for blk in range(gl.cdiv(tiles, GC)):
+                total = _gc_block(blk, total, x_ptr, x_offs, x_smem, w_smem, ready, empty, sb_rows, cols, t0, tiles,
+                                  a_layout, w_layout, mma, BLOCK_N, STAGES, TPG, BITS, GC)
         out = gl.where(gl.expand_dims(cols, 0) == 0, gl.expand_dims(gl.sum(total, axis=1), 1), 0.0)
         if NORM_IN:
             out = out * inv_rms
@@ -230,7 +274,8 @@ if HAS_GLUON:
                             BITS: gl.constexpr = 4, LATE_LAUNCH: gl.constexpr = False, NC: gl.constexpr = 1,
                             ACT: gl.constexpr = False, NS: gl.constexpr = 1, x_ptr=None, GC: gl.constexpr = 0,
                             res_ptr=None, nw_ptr=None, ss_ptr=None, n_parts=0, eps=0.0,
-                            NORM_OUT: gl.constexpr = False, NORM_IN: gl.constexpr = False):
+                            NORM_OUT: gl.constexpr = False, NORM_IN: gl.constexpr = False,
+                            GCX: gl.constexpr = False):
         """_wq_gluon_kernel's arguments and grid (INFLIGHT is always 1 here); num_warps 4: the
         consumer warpgroup (BLOCK_N 64 or 128), plus one producer warp; NC 2: and a second consumer
         warpgroup (_consumer_tile); NS 2: and a second consumer warpgroup, each taking 64 of the
@@ -242,7 +287,11 @@ if HAS_GLUON:
         t0 = gl.program_id(2) * tiles
         off_n = gl.program_id(0) * BLOCK_N
         off_m = gl.program_id(1) * BLOCK_M
-        x_smem = gl.allocate_shared_memory(x_desc.dtype, [STAGES, BLOCK_M, _BK], x_desc.layout)
+        if GCX:
+            gl.static_assert(GC > 0)
+        XTMA: gl.constexpr = GCX == False  # noqa: E712 (a constexpr): x through the producer's TMA
+        # GCX: x's tiles of a block (BLOCK_M of them, x in row j of tile j), not a stage each
+        x_smem = gl.allocate_shared_memory(x_desc.dtype, [BLOCK_M if GCX else STAGES, BLOCK_M, _BK], x_desc.layout)
         w_smem = gl.allocate_shared_memory(w_desc.dtype, [STAGES, BLOCK_N, WPT], w_desc.layout)
         ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -290,9 +339,9 @@ if HAS_GLUON:
                 (_consumer_gc, (x_ptr, x_smem, w_smem, ready, empty, sb_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr,
                                 act_ptr, M, N, stride_sb, stride_om, off_n, gl.program_id(0), t0, tiles, GROUP,
                                 HAS_BIAS, BLOCK_N, STAGES, SPLIT_K, USE_PDL, num_warps, BITS, ACT, BLOCK_M,
-                                K, res_ptr, nw_ptr, ss_ptr, n_parts, eps, NORM_OUT, NORM_IN)),
+                                K, res_ptr, nw_ptr, ss_ptr, n_parts, eps, NORM_OUT, NORM_IN, GCX)),
                 (_producer, (x_desc, w_desc, x_smem, w_smem, ready, empty, off_m, off_n, t0, tiles, STAGES, USE_PDL,
-                             WPT, LATE_LAUNCH, BLOCK_M)),
+                             WPT, LATE_LAUNCH, BLOCK_M, XTMA)),
             ], [1], [24])
         else:
             gl.warp_specialize([

@@ -548,6 +548,8 @@ for bits, bn, warps, bm, stages, split, ws, *act in (
         # one row of x, the group-column consumer (GC, at 64 or 80 registers): unsplit, split, the SiLU's
         (4, 64, 4, 8, 4, 1, "gc"), (8, 64, 4, 8, 4, 1, "gc"), (4, 64, 4, 8, 4, 2, "gc80"),
         (8, 64, 4, 8, 4, 4, "gc80"), (8, 64, 4, 8, 4, 1, "gc", True),
+        # ... with x through the producer's TMA, not put in place by the consumer (GCX off: the A/B)
+        (4, 64, 4, 8, 4, 2, "gc-tma"), (8, 64, 4, 8, 4, 1, "gc-tma"),
         # an add-RMS norm handed from one projection to the next (one row of x; wq_matmul_norm): its
         # elementwise part in o_proj's (two consumers, split) and down's epilogue (GC, split 8), its
         # 1 / rms in qkv's and gate_up's (GC, the SiLU's too), and in the other kernels'
@@ -564,12 +566,13 @@ for bits, bn, warps, bm, stages, split, ws, *act in (
            "cnt_ptr": "*i32", "act_ptr": "*bf16", "M": "i32", "N": "i32", "K": "i32", "stride_sb": "i32",
            "stride_om": "i32", "res_ptr": "*bf16", "nw_ptr": "*bf16", "ss_ptr": "*fp32", "n_parts": "i32",
            "eps": "fp32"}
-    ns, gc = 2 if ws == "ns" else 1, {"gc": 64, "gc80": 80}.get(ws, 0)
+    ns, gc = 2 if ws == "ns" else 1, {"gc": 64, "gc80": 80, "gc-tma": 64}.get(ws, 0)
+    gcx = gc > 0 and ws != "gc-tma"  # as launched (kernels/wq_gluon_tune.py's GLUON_GC_X)
     nc, ws = (ws, True) if ws == 2 else (1, bool(ws))  # ws 2: the warp-specialized kernel with two consumers
     cst = dict(GROUP=128, HAS_BIAS=False, BLOCK_N=bn, BLOCK_M=bm, STAGES=stages, SPLIT_K=split, num_warps=warps,
                INFLIGHT=1, USE_PDL=True, BITS=bits, LATE_LAUNCH=bits == 8, ACT=act, NORM_OUT=norm == "out",
                NORM_IN=norm == "in", **({"NC": nc} if nc > 1 else {}),
-               **({"NS": ns, "GC": int(gc > 0)} if ws else {}))  # (a raw compile takes no defaults)
+               **({"NS": ns, "GC": int(gc > 0), "GCX": gcx} if ws else {}))  # (a raw compile takes no defaults)
     if ws:
         sig["x_ptr"] = "*bf16"
     sig.update({k: "constexpr" for k in cst})
@@ -578,7 +581,8 @@ for bits, bn, warps, bm, stages, split, ws, *act in (
     options = {"num_warps": warps, **({"maxnreg": maxnreg} if ws else {})}
     kernel = triton.compile(GluonASTSource(fn, sig, cst), target=GPUTarget("cuda", 90, 32), options=options)
     label = (f"int{bits}, {warps} warps, {bm} rows, {stages} stages, split {split}, warp-specialized {ws}, "
-             f"consumers {nc} (K) {ns} (N), group columns {gc}, SiLU {act}, norm {norm or '-'}")
+             f"consumers {nc} (K) {ns} (N), group columns {gc}{' (x by TMA)' if gc and not gcx else ''}, SiLU {act}, "
+             f"norm {norm or '-'}")
     ttgir, ptx = kernel.asm["ttgir"], kernel.asm["ptx"]
     # two consumers retire each tile in its own step (the other's overlaps it)
     pending = 1 if nc == ns == 1 else 0
@@ -597,6 +601,11 @@ for bits, bn, warps, bm, stages, split, ws, *act in (
         assert (launch > drained) == (bits == 8), label
     assert not inflight_writes(ptx), label + ": " + str(inflight_writes(ptx)[:3])
     assert ("ex2.approx" in ptx) == act, label  # the SiLU's exp only where asked for
+    # the group-column consumer puts x in place itself (GCX): the producer's TMAs are the weight's only
+    # (the first stages, then one a tile), and it never waits for the kernel before
+    tmas = ptx.count("cp.async.bulk.tensor")
+    assert not gcx or (tmas == stages + 1 and ptx.count("griddepcontrol.wait") == 2), label + f": {tmas} TMAs"
+    assert gcx or not gc or tmas == 3 * stages + 3, label + f": {tmas} TMAs"
     with open(ptx_path, "w") as f:
         f.write(ptx)
     log = subprocess.run([os.path.join(bin_dir, "ptxas"), "-v", "--gpu-name", "sm_90a", ptx_path, "-o", cubin_path],
@@ -606,8 +615,8 @@ for bits, bn, warps, bm, stages, split, ws, *act in (
     sass = subprocess.run([os.path.join(bin_dir, "cuobjdump"), "-sass", cubin_path], capture_output=True,
                           text=True).stdout
     # no spills; the group-column consumer at 64 registers: none in its main loop (a few bytes around
-    # the blocks' scaling, once a block of 8 tiles)
-    assert spill and (spill.group(1) == "0" or gc == 64 and int(spill.group(1)) <= 32
+    # the blocks' scaling and x's stores, once a block of 8 tiles: 56-74 with GCX, 0-32 without)
+    assert spill and (spill.group(1) == "0" or gc == 64 and int(spill.group(1)) <= (80 if gcx else 32)
                       or norm == "out" and nc == 2 and int(spill.group(1)) <= 4), label + ": " + log
     # in the main loop none, but one register's store and load in int8's two-consumer kernel with
     # the norm in its epilogue (at 64 registers: 2 of ~690 instructions an iteration)
