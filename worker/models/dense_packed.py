@@ -12,12 +12,13 @@ measured (tests/worker/test_dense_packed.py checks it), so a batch-1 greedy veri
 10 drafts gives the plain decode's tokens. oneDNN splits K across threads at some larger row
 counts (12-23 rows of the 8960-deep down projection on 2 threads), which rounds differently there.
 Where oneDNN has no AMX (an AMD EPYC with AVX512-BF16, 2026-11-29) its one-row kernel rounds
-differently from the kernel of 2-24 rows, which agree among themselves on every row, on three of
-SmolLM2's and Qwen2.5-1.5B's four projection shapes (the fp32 sums differ in their last bits, so
-only some of a row's bf16 outputs show it, and not for every input: no cheap check at load sees it
-reliably). Without AMX a lone row therefore runs as the first of two (``one_row_as_two``), at +0-20%
-of a one-row call there (Qwen2.5-1.5B's gate_up 0.61 -> 0.73 ms, down 0.57 -> 0.57, SmolLM2's
-head 2.28 -> 2.53).
+differently from the kernel of 2-24 rows, which agree among themselves on every row, at the
+projections 1,536 or 8,960 deep, not at those 576 deep (benchmarks/dense_packed_rows.py). The fp32
+sums differ in their last bits, so only ~1 bf16 output in 10^4 shows it: the first weight of each
+shape compares 2 x 10^5 outputs of one-row calls with two-row calls at load (``_one_row_agrees``, a
+few ms a shape), and where they differ a lone row runs as the first of two (``one_row_as_two``;
+there +0-19% a one-row call, three runs: Qwen2.5-1.5B's gate_up 0.42-0.44 -> 0.47-0.51 ms, down
+0.40-0.47 -> 0.43-0.49, SmolLM2's down 0.049 either way).
 
 ``KVCASCADE_CPU_PACK=0`` keeps the plain weights (``F.linear``), for A/B runs.
 """
@@ -49,7 +50,8 @@ class PackedDenseWeight(nn.Module):
         self._nbytes = weight.numel() * weight.element_size()
         # The batch-size hint only picks the reorder's blocking; 1 is what decode calls with.
         self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), 1)
-        self.one_row_as_two = not torch.cpu._is_amx_tile_supported()  # module docstring
+        self.one_row_as_two = False
+        self.one_row_as_two = not _one_row_agrees(self)
 
     def nbytes(self) -> int:
         return self._nbytes
@@ -62,6 +64,22 @@ class PackedDenseWeight(nn.Module):
             x2 = x2.expand(2, in_features)
         out = torch.ops.mkldnn._linear_pointwise(x2, self.packed, bias, "none", [], "")[:rows]
         return out.view(*x.shape[:-1], out_features).to(x.dtype)
+
+
+_one_row_kernel_agrees: dict[tuple[int, int], bool] = {}  # by (out, in): oneDNN picks kernels by shape
+
+
+def _one_row_agrees(weight: PackedDenseWeight, outputs: int = 200_000) -> bool:
+    """Whether ``weight``'s shape gets the same bits from a one-row call as from a two-row one
+    (module docstring): ~``outputs`` outputs compared, in pairs of rows, once a shape a process."""
+    shape = weight.shape
+    if shape not in _one_row_kernel_agrees:
+        rows = min(512, 2 * -(-outputs // (2 * shape[0])))
+        x = torch.randn(rows, shape[1], generator=torch.Generator().manual_seed(0)).to(weight.dtype)
+        alone = torch.cat([weight.matmul(x[i:i + 1]) for i in range(rows)])
+        pairs = torch.cat([weight.matmul(x[i:i + 2]) for i in range(0, rows, 2)])
+        _one_row_kernel_agrees[shape] = torch.equal(alone, pairs)
+    return _one_row_kernel_agrees[shape]
 
 
 def pack_dense_projections(projections: Iterable[nn.Module]) -> None:
