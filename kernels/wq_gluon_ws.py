@@ -180,7 +180,7 @@ if HAS_GLUON:
         if GCX:
             _x_diag(xv, x_smem, GC)
         elif BITS == 4:
-            xv = gl.load(x_ptr + tile0 * _BK + x_offs, mask=x_offs < nt * _BK, other=0.0)
+            xv = _x_block(x_ptr, x_offs, t0, blk, tiles, GC)
         acc = gl.zeros([BLOCK_N, GC], gl.float32, mma)
         # two tiles an iteration, not unrolled: the loop stays as small as the other kernels' (the
         # block unrolled, 8 tiles, was 12-19 KB of code a loop)

@@ -50,7 +50,7 @@ class PackedDenseWeight(nn.Module):
         self._nbytes = weight.numel() * weight.element_size()
         # The batch-size hint only picks the reorder's blocking; 1 is what decode calls with.
         self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), 1)
-        self.one_row_as_two = False
+        self.one_row_as_two = False  # the check below calls matmul with the one-row kernel
         self.one_row_as_two = not _one_row_agrees(self)
 
     def nbytes(self) -> int:
