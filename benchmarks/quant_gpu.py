@@ -24,7 +24,8 @@ kernels  each Llama-3.1-8B projection (and the LM head in int8) at 1, 8, 16, 64 
          requests, prompt and output U[100, 1024], all at once) output tok/s; --profile-batch B: the
          GPU time of a decode step at batch B by kernel (torch.profiler): each kernel's span, and its
          marginal time (its end after the end of the kernel before it: under PDL these add up to
-         the step where the spans overlap) with the device's idle time before it
+         the step where the spans overlap) with the device's idle time before it; then the same by
+         kernel and launch grid, which tells one kernel's projections apart
 """
 
 from __future__ import annotations
@@ -312,9 +313,11 @@ def decode_step_ms(engine, batch: int, vocab: int, rng: random.Random, new: int 
     return gaps[len(gaps) // 2] * 1e3
 
 
-def profile_decode(engine, batch: int, vocab: int, rng: random.Random, steps: int = 10) -> list[dict]:
+def profile_decode(engine, batch: int, vocab: int, rng: random.Random,
+                   steps: int = 10) -> tuple[list[dict], list[dict]]:
     """The GPU kernels of ``steps`` decode steps at ``batch`` (torch.profiler, graph replays
-    included), by total time a step: where a step's time goes, kernel by kernel."""
+    included), by total time a step: where a step's time goes, kernel by kernel; and the kernels
+    again by launch grid (kernel_spans), which tells one kernel's projections apart."""
     from torch.profiler import ProfilerActivity, profile
 
     from worker.engine.sampling_params import SamplingParams
@@ -337,7 +340,39 @@ def profile_decode(engine, batch: int, vocab: int, rng: random.Random, steps: in
              if e.device_type == torch.autograd.DeviceType.CUDA and e.name[:120] in rows]
     for name, (marginal, idle) in marginal_times(spans).items():
         rows[name].update(marginal_us_a_step=marginal / steps, idle_before_us_a_step=idle / steps)
-    return sorted(rows.values(), key=lambda r: -r.get("marginal_us_a_step", 0) - r.get("idle_before_us_a_step", 0))[:30]
+    with tempfile.TemporaryDirectory() as tmp:
+        prof.export_chrome_trace(f"{tmp}/trace.json")
+        with open(f"{tmp}/trace.json") as f:
+            by_grid = grid_rows(kernel_spans(json.load(f)), steps)
+    by_kernel = sorted(rows.values(), key=lambda r: -r.get("marginal_us_a_step", 0) - r.get("idle_before_us_a_step", 0))
+    return by_kernel[:30], by_grid[:40]
+
+
+def kernel_spans(trace: dict) -> list[tuple[float, float, str]]:
+    """(start, end, label) in µs of each GPU kernel in a torch.profiler chrome trace: its name and
+    launch grid (the trace's args), so that one kernel launched for different shapes (the Gluon
+    kernel for qkv, o, gate_up, down and the LM head) counts once per shape."""
+    spans = []
+    for e in trace.get("traceEvents", []):
+        if e.get("ph") != "X" or e.get("cat") != "kernel":
+            continue
+        grid = e.get("args", {}).get("grid")
+        label = e["name"][:80] + (f" grid {'x'.join(str(g) for g in grid)}" if grid else "")
+        spans.append((float(e["ts"]), float(e["ts"]) + float(e["dur"]), label))
+    return spans
+
+
+def grid_rows(spans: list[tuple[float, float, str]], steps: int) -> list[dict]:
+    """Per label of kernel_spans, a step's calls, span and marginal time (marginal_times among the
+    kernels alone), largest marginal first."""
+    rows: dict[str, dict] = {}
+    for start, end, label in spans:
+        row = rows.setdefault(label, {"kernel": label, "calls_a_step": 0.0, "us_a_step": 0.0})
+        row["calls_a_step"] += 1 / steps
+        row["us_a_step"] += (end - start) / steps
+    for label, (marginal, idle) in marginal_times(spans).items():
+        rows[label].update(marginal_us_a_step=marginal / steps, idle_before_us_a_step=idle / steps)
+    return sorted(rows.values(), key=lambda r: -r.get("marginal_us_a_step", 0))
 
 
 def marginal_times(spans: list[tuple[float, float, str]]) -> dict[str, tuple[float, float]]:
@@ -375,15 +410,17 @@ def run_engine(quantization: str, args) -> dict:
     res["decode_ms"] = {b: decode_step_ms(engine, b, cfg.vocab_size, rng) for b in args.batches}
     if args.profile_batch:
         try:
-            res["profile"] = profile_decode(engine, args.profile_batch, cfg.vocab_size, rng)
+            res["profile"], res["profile_by_grid"] = profile_decode(engine, args.profile_batch, cfg.vocab_size, rng)
         except Exception as exc:  # noqa: BLE001 - the step times above still count
-            res["profile"] = []
+            res["profile"], res["profile_by_grid"] = [], []
             print(f"{quantization}: profile failed: {type(exc).__name__} {exc}", flush=True)
-        print(f"{quantization}: batch {args.profile_batch}, GPU time a decode step by kernel (us):", flush=True)
-        print("  marginal   idle before   span   calls   (us a step)", flush=True)
-        for row in res["profile"][:20]:
-            print(f"  {row.get('marginal_us_a_step', 0):9.1f} {row.get('idle_before_us_a_step', 0):9.1f} {row['us_a_step']:9.1f} "
-                  f"{row['calls_a_step']:6.1f}x  {row['kernel'][:90]}", flush=True)
+        for title, rows, n in (("by kernel", res["profile"], 20),
+                               ("by kernel and launch grid", res["profile_by_grid"], 16)):
+            print(f"{quantization}: batch {args.profile_batch}, GPU time a decode step {title} (us):", flush=True)
+            print("  marginal   idle before   span   calls   (us a step)", flush=True)
+            for row in rows[:n]:
+                print(f"  {row.get('marginal_us_a_step', 0):9.1f} {row.get('idle_before_us_a_step', 0):9.1f} "
+                      f"{row['us_a_step']:9.1f} {row['calls_a_step']:6.1f}x  {row['kernel'][:110]}", flush=True)
     for b, ms in res["decode_ms"].items():
         print(f"{quantization}: batch {b}: {ms:.3f} ms a step (weights' floor {res['floor_ms']:.3f} ms)", flush=True)
     if args.skip_b:
