@@ -356,8 +356,9 @@ def kernel_spans(trace: dict) -> list[tuple[float, float, str]]:
     for e in trace.get("traceEvents", []):
         if e.get("ph") != "X" or e.get("cat") != "kernel":
             continue
-        grid = e.get("args", {}).get("grid")
-        label = e["name"][:80] + (f" grid {'x'.join(str(g) for g in grid)}" if grid else "")
+        grid = e.get("args", {}).get("grid")  # [x, y, z] in kineto's traces; kept as written otherwise
+        grid = "x".join(str(g) for g in grid) if isinstance(grid, list) else grid
+        label = e["name"][:80] + (f" grid {grid}" if grid else "")
         spans.append((float(e["ts"]), float(e["ts"]) + float(e["dur"]), label))
     return spans
 
