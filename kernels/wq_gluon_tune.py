@@ -199,16 +199,17 @@ _descs: dict[tuple, object] = {}
 
 def wq_gluon(x: torch.Tensor, weight: TiledWeight, out: torch.Tensor, bias: torch.Tensor | None,
              ws: torch.Tensor, cnt: torch.Tensor, config: dict, act: torch.Tensor | None = None,
-             norm_out: tuple | None = None, norm_in: tuple | None = None) -> None:
+             norm_out: tuple | None = None, norm_in: tuple | None = None, early_next: bool = False) -> None:
     """out = x @ W^T (+ bias) through the kernel at ``config`` (kernels/wq_gluon_tune.py's
     dicts); ws, cnt: kernels/wq_matmul.py's split workspace (zero), for SPLIT_K > 1. ``act``
     [M, N / 2]: out is gate|up, and act gets silu(gate) * up (wq_gluon.py's _silu_pair; N / 2 a
     multiple of the tile's BLOCK_N, cnt holding 1.5 counters an output tile, zero). One row of x
     only: ``norm_out`` (residual, norm_weight, parts): out gets an add-RMS norm's elementwise part
     instead, the residual the sum, in place (wq_gluon.py's _norm_out); ``norm_in`` (parts, eps): out scaled by
-    that norm's 1 / rms (kernels/wq_matmul.py's wq_matmul_norm says the whole)."""
+    that norm's 1 / rms (kernels/wq_matmul.py's wq_matmul_norm says the whole). ``early_next``: the
+    next kernel scheduled right after this one's wait, not after its main loop (wq_gluon.py's late_launch)."""
     _launch(x, weight.words, weight.sb, weight.group_size, out, bias, ws, cnt, config, bits=weight.bits, act=act,
-            norm_out=norm_out, norm_in=norm_in)
+            norm_out=norm_out, norm_in=norm_in, early_next=early_next)
 
 
 def block_n(config: dict) -> int:
@@ -219,7 +220,7 @@ def block_n(config: dict) -> int:
 def _launch(x: torch.Tensor, words: torch.Tensor, sb: torch.Tensor, group: int, out: torch.Tensor,
             bias: torch.Tensor | None, ws: torch.Tensor, cnt: torch.Tensor, config: dict,
             keep_desc: bool = True, bits: int = 4, act: torch.Tensor | None = None, norm_out: tuple | None = None,
-            norm_in: tuple | None = None) -> None:
+            norm_in: tuple | None = None, early_next: bool = False) -> None:
     (m, k), n = x.shape, words.shape[0]
     bm, warps, split = config["BLOCK_M"], config["num_warps"], config["SPLIT_K"]
     bn = block_n(config)
@@ -266,6 +267,6 @@ def _launch(x: torch.Tensor, words: torch.Tensor, sb: torch.Tensor, group: int, 
                  k, sb.stride(0), out.stride(0), ACT=act is not None, GROUP=group, HAS_BIAS=bias is not None,
                  BLOCK_N=bn, BLOCK_M=bm,
                  STAGES=config["STAGES"], SPLIT_K=split, num_warps=warps, INFLIGHT=config.get("INFLIGHT", 1), BITS=bits,
-                 LATE_LAUNCH=m <= wq_gluon_mod.PDL_LATE_ROWS if wq_gluon_mod.PDL_LATE is None else wq_gluon_mod.PDL_LATE,
+                 LATE_LAUNCH=wq_gluon_mod.late_launch(m, early_next),
                  **(pdl_launch(x.device) if wq_gluon_mod.PDL else dict(USE_PDL=False, launch_pdl=False)), **extra,
                  **norm)

@@ -947,14 +947,15 @@ GLUON_SILU = os.environ.get("KVCASCADE_GLUON_SILU", "1") != "0"
 SILU_MAX_ROWS = 16
 
 
-def wq_matmul_silu(x: torch.Tensor, weight: QuantizedWeight | TiledWeight,
-                   config: dict | None = None, rms: RmsHandoff | None = None) -> torch.Tensor | None:
+def wq_matmul_silu(x: torch.Tensor, weight: QuantizedWeight | TiledWeight, config: dict | None = None,
+                   rms: RmsHandoff | None = None, early_next: bool = False) -> torch.Tensor | None:
     """``silu_and_mul(wq_matmul(x, weight))`` in one launch, weight a gate|up projection ([2I, K],
     gate first): x [M, K] -> [M, I], written by the Gluon kernel's epilogue (kernels/wq_gluon.py's
     _silu_pair), so no kernel runs between this projection and the down projection. None where that
     kernel does not take the call (not a tiled weight, past SILU_MAX_ROWS rows, the tile's BLOCK_N
     not dividing I, GLUON_SILU off): the caller runs the two. ``config``: the tile (tests). ``rms``:
-    as wq_matmul's (the SiLU then applies to the scaled sums)."""
+    as wq_matmul's (the SiLU then applies to the scaled sums). ``early_next``: the next kernel may be
+    scheduled right after this one's wait (kernels/wq_gluon.py's late_launch: one row only)."""
     if rms is not None and (x.shape[0] != 1 or rms.parts.numel() > wq_gluon_tune.RMS_MAX_PARTS):
         return None
     m, k = x.shape
@@ -970,7 +971,7 @@ def wq_matmul_silu(x: torch.Tensor, weight: QuantizedWeight | TiledWeight,
         return None
     act = torch.empty(m, n // 2, dtype=x.dtype, device=x.device)
     wq_gluon_tune.wq_gluon(x, weight, out, None, ws, cnt, cfg, act=act,
-                           norm_in=None if rms is None else (rms.parts, rms.eps))
+                           norm_in=None if rms is None else (rms.parts, rms.eps), early_next=early_next)
     return act
 
 
@@ -980,8 +981,8 @@ NORM_HANDOFF = os.environ.get("KVCASCADE_NORM_HANDOFF", "1") != "0"
 
 
 def wq_matmul_norm(x: torch.Tensor, weight: QuantizedWeight | TiledWeight, residual: torch.Tensor,
-                   norm_weight: torch.Tensor, eps: float,
-                   config: dict | None = None) -> tuple[torch.Tensor, torch.Tensor, RmsHandoff] | None:
+                   norm_weight: torch.Tensor, eps: float, config: dict | None = None,
+                   early_next: bool = False) -> tuple[torch.Tensor, torch.Tensor, RmsHandoff] | None:
     """``rms_norm(wq_matmul(x, weight), norm_weight, eps, residual)`` at one row of x, with no norm
     kernel: the Gluon kernel's epilogue writes h = x W^T + residual (the new residual, over
     ``residual``: the model reads the old one no more) and the next
@@ -990,7 +991,8 @@ def wq_matmul_norm(x: torch.Tensor, weight: QuantizedWeight | TiledWeight, resid
     called with the returned RmsHandoff (wq_matmul's or wq_matmul_silu's ``rms``), adds those up and
     scales its sums by 1 / rms. Returns (x for the next projection, h, the handoff), or None where
     the kernel does not take the call (not a tiled weight, more than one row, a CPU tensor,
-    NORM_HANDOFF off): the caller runs the projection and the norm kernel."""
+    NORM_HANDOFF off): the caller runs the projection and the norm kernel. ``early_next``: as
+    wq_matmul_silu's."""
     m, n = x.shape[0], weight.shape[0]
     if not (NORM_HANDOFF and m == 1 and _tiled_gluon_call(x, weight)):
         return None
@@ -1004,7 +1006,8 @@ def wq_matmul_norm(x: torch.Tensor, weight: QuantizedWeight | TiledWeight, resid
     if cfg.get("NS", 1) > 1 or tiles > wq_gluon_tune.RMS_MAX_PARTS:
         return None
     parts = torch.empty(tiles, dtype=torch.float32, device=x.device)
-    wq_gluon_tune.wq_gluon(x, weight, out, None, ws, cnt, cfg, norm_out=(residual, norm_weight, parts))
+    wq_gluon_tune.wq_gluon(x, weight, out, None, ws, cnt, cfg, norm_out=(residual, norm_weight, parts),
+                           early_next=early_next)
     return out, residual, RmsHandoff(parts, eps)
 
 

@@ -273,7 +273,8 @@ def test_the_mlp_takes_the_silu_from_the_gate_up_kernel_where_it_can(monkeypatch
     assert mlp.fused_act
     calls = []
 
-    def fused(x2, weight, rms=None):
+    def fused(x2, weight, rms=None, early_next=False):
+        assert early_next  # down_proj scheduled early at one row (kernels/wq_gluon.py's late_launch)
         calls.append(x2.shape)
         return silu_and_mul_ref(x2 @ weight.dequantize(x2.dtype).T) if len(calls) == 1 else None
 
@@ -633,3 +634,21 @@ def test_gluon_kernel_lowers_to_an_asynchronous_wgmma_chain():
     proc = subprocess.run([sys.executable, "-c", CHECK], cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_the_next_kernel_is_scheduled_early_only_where_one_row_asks(monkeypatch):
+    """late_launch: late up to PDL_LATE_ROWS rows of x, except where the caller asks for the next
+    kernel early at one row (o_proj's and gate_up's calls); EARLY_NEXT off or PDL_LATE set (the A/Bs)
+    override that."""
+    late = wq_gluon.late_launch
+    assert late(1) and late(16) and not late(17)
+    assert not late(1, early_next=True)
+    assert late(2, early_next=True) and late(16, early_next=True)  # measured at one row only
+    assert not late(64, early_next=True)
+    monkeypatch.setattr(wq_gluon, "EARLY_NEXT", False)
+    assert late(1, early_next=True)
+    monkeypatch.setattr(wq_gluon, "EARLY_NEXT", True)
+    monkeypatch.setattr(wq_gluon, "PDL_LATE", True)
+    assert late(1, early_next=True) and late(64)
+    monkeypatch.setattr(wq_gluon, "PDL_LATE", False)
+    assert not late(1) and not late(16)

@@ -73,7 +73,7 @@ def test_one_row_decode_hands_every_norm_on_but_the_first_and_the_last(int4, pro
     calls = []
     real = QuantizedLinearWeight.matmul_norm
     monkeypatch.setattr(QuantizedLinearWeight, "matmul_norm",
-                        lambda self, *a: calls.append(self) or real(self, *a))
+                        lambda self, *a, **kw: calls.append((self, kw.get("early_next", False))) or real(self, *a, **kw))
     try:
         on = run(True)
     finally:
@@ -81,6 +81,10 @@ def test_one_row_decode_hands_every_norm_on_but_the_first_and_the_last(int4, pro
             layer.norm_handoff = False
     # 11 one-row steps a request (the first token comes from the prefill), 2 norms a layer less the last's
     assert len(calls) == 3 * 11 * (2 * len(layers) - 1)
+    # o_proj lets gate_up be scheduled early on a GPU, down_proj leaves qkv_proj late (late_launch)
+    o_weights = {id(layer.self_attn.o_proj.weight) for layer in layers}
+    assert all(early == (id(weight) in o_weights) for weight, early in calls)
+    assert sum(early for _, early in calls) == 3 * 11 * len(layers)
     # the same tokens and logprobs up to roundings (x rounded to bf16 for torch's int4 kernel before
     # 1 / rms, not after: ~0.1 in a logprob over 30 layers, as bf16 activations against fp32 move
     # them, most where the chosen token is unlikely: 0.23 at one of logprob -1.6 on an AVX-512
@@ -110,3 +114,17 @@ def test_a_handoff_given_to_a_float_projection_is_applied_after_it():
     x, w, bias = torch.randn(1, 64), torch.randn(32, 64), torch.randn(32)
     rms = RmsHandoff(torch.tensor([4.0, 12.0]), 1e-6)  # h^2 sums to 16 over 64 columns: rms 0.5
     torch.testing.assert_close(linear(x, w, bias, rms), 2 * (x @ w.T) + bias, rtol=1e-5, atol=1e-5)
+
+
+def test_a_fused_gate_up_asks_for_down_proj_early(int4, monkeypatch):
+    """The SiLU-epilogue call (a GPU's, llama.py's _gate_up_silu) asks the Gluon kernel to schedule
+    down_proj right after its wait (kernels/wq_gluon.py's late_launch). The CPU's weights are not
+    tiled, so the call is only recorded here, and declined as the kernel declines a weight it does not take."""
+    import kernels.wq_matmul
+    from worker.models.llama import _gate_up_silu
+
+    seen = []
+    monkeypatch.setattr(kernels.wq_matmul, "wq_matmul_silu", lambda *a, **kw: seen.append(kw) or None)
+    mlp = int4.model.model.layers[0].mlp
+    assert _gate_up_silu(mlp.gate_up_proj, torch.randn(1, 576)) is None
+    assert seen == [{"rms": None, "early_next": True}]

@@ -85,11 +85,13 @@ def _gate_up_silu(gate_up: MergedColumnParallelLinear, x: torch.Tensor,
                   rms: RmsHandoff | None = None) -> torch.Tensor | None:
     """silu(gate) * up from a tiled gate|up projection in one launch (kernels/wq_matmul.py's
     wq_matmul_silu: the SiLU in the Gluon kernel's epilogue), or None where that kernel does not
-    take the call. A rank's gate|up holds its own halves of both, so tensor parallelism changes nothing."""
+    take the call. A rank's gate|up holds its own halves of both, so tensor parallelism changes nothing.
+    At one row down_proj is scheduled right after this kernel's wait (``early_next``): its first
+    weight stages then stream under gate_up's tail (kernels/wq_gluon.py's late_launch)."""
     from kernels.wq_matmul import wq_matmul_silu
 
     x2 = x.reshape(-1, x.shape[-1]).contiguous()
-    act = wq_matmul_silu(x2, gate_up.weight.data, rms=rms)
+    act = wq_matmul_silu(x2, gate_up.weight.data, rms=rms, early_next=True)
     return None if act is None else act.view(*x.shape[:-1], act.shape[-1])
 
 
@@ -116,7 +118,10 @@ class LlamaDecoderLayer(nn.Module):
             x, residual = self.input_layernorm(x, residual)
         handoff = self.norm_handoff and x.numel() == x.shape[-1]  # one row
         o = self.self_attn.attend(positions, x, rms)
-        fused = self.self_attn.o_proj.project_norm(o, residual, self.post_attention_layernorm) if handoff else None
+        # o_proj schedules gate_up early (its weights stream from its start), down_proj leaves the
+        # next qkv_proj late (kernels/wq_gluon.py's late_launch: each measured so)
+        fused = (self.self_attn.o_proj.project_norm(o, residual, self.post_attention_layernorm, early_next=True)
+                 if handoff else None)
         if fused is None:
             x, residual = self.post_attention_layernorm(self.self_attn.o_proj(o), residual)
             rms = None

@@ -141,14 +141,15 @@ class RowParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return get_tp().all_reduce(linear(x, self.weight))
 
-    def project_norm(self, x: torch.Tensor, residual: torch.Tensor,
-                     norm: nn.Module) -> tuple[torch.Tensor, torch.Tensor, RmsHandoff] | None:
+    def project_norm(self, x: torch.Tensor, residual: torch.Tensor, norm: nn.Module,
+                     early_next: bool = False) -> tuple[torch.Tensor, torch.Tensor, RmsHandoff] | None:
         """``norm(self(x), residual)`` left to this projection's epilogue and the next projection
         (QuantizedLinearWeight.matmul_norm), or None (then the caller runs the two): at one tensor
-        parallel rank only (the epilogue sees this rank's partial sums, not the all-reduced ones)."""
+        parallel rank only (the epilogue sees this rank's partial sums, not the all-reduced ones).
+        ``early_next``: the next kernel may be scheduled early (kernels/wq_gluon.py's late_launch)."""
         if get_tp().size > 1 or not isinstance(self.weight, QuantizedLinearWeight):
             return None
-        return self.weight.matmul_norm(x, residual, norm.weight, norm.eps)
+        return self.weight.matmul_norm(x, residual, norm.weight, norm.eps, early_next=early_next)
 
 
 class VocabParallelEmbedding(nn.Module):

@@ -173,20 +173,21 @@ class QuantizedLinearWeight(nn.Module):
             out = F.linear(x2, self.data.dequantize(x.dtype), bias)
         return out.view(*lead, self.shape[0])
 
-    def matmul_norm(self, x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor,
-                    eps: float) -> tuple[torch.Tensor, torch.Tensor, RmsHandoff] | None:
+    def matmul_norm(self, x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float,
+                    early_next: bool = False) -> tuple[torch.Tensor, torch.Tensor, RmsHandoff] | None:
         """``rms_norm(self.matmul(x), norm_weight, eps, residual)`` for one row of x, the norm left
         to this projection's epilogue and the next projection (kernels/wq_matmul.py's wq_matmul_norm):
         (the next projection's x, the new residual, the handoff its ``matmul`` takes as ``rms``), or
         None where the Gluon kernel does not take it. On the CPU the same contract in torch
         (kernels/reference.py's norm_handoff_ref): no faster there, it lets the model's wiring be
-        tested where there is no GPU."""
+        tested where there is no GPU. ``early_next``: wq_matmul_norm's (the GPU's launch order only)."""
         if x.is_cuda:
             if not HAS_TRITON:
                 return None
             from kernels.wq_matmul import wq_matmul_norm
 
-            return wq_matmul_norm(x.reshape(-1, x.shape[-1]).contiguous(), self.data, residual, norm_weight, eps)
+            return wq_matmul_norm(x.reshape(-1, x.shape[-1]).contiguous(), self.data, residual, norm_weight, eps,
+                                  early_next=early_next)
         if x.numel() != x.shape[-1]:
             return None
         return norm_handoff_ref(self.matmul(x), residual, norm_weight, eps)
