@@ -71,10 +71,10 @@ PDL = os.environ.get("KVCASCADE_GLUON_PDL", "1") != "0"
 # KVCASCADE_GLUON_PDL_LATE=0 / 1: never / always late (A/B)
 PDL_LATE_ROWS = 16
 PDL_LATE = {"0": False, "1": True}.get(os.environ.get("KVCASCADE_GLUON_PDL_LATE", ""))
-# ... except where the caller asks for the next kernel early (``early_next``, one row of x only):
-# o_proj and gate_up, whose next kernels (gate_up, down) fetch their weights' first stages before
-# their wait, ran a batch-1 int4 step 8 and 23 µs faster so on an H200, with those tiles swapped in
-# one engine; qkv and down so ran it 20 and 6 µs slower (docs/BENCHMARKS.md, 2026-11-29).
+# ... except where the caller asks for the next kernel early (``early_next``, one row of x only).
+# o_proj's and gate_up's calls do: their next kernels (gate_up, down) fetch weight stages before
+# their wait. On an H200 that took 8 and 23 µs off an int4 batch-1 step one at a time, 40 together
+# (int8: 52); early after qkv and down added 20 and 6 (docs/BENCHMARKS.md, 2026-11-29).
 # KVCASCADE_GLUON_EARLY_NEXT=0: late there too (the A/B)
 EARLY_NEXT = os.environ.get("KVCASCADE_GLUON_EARLY_NEXT", "1") != "0"
 
@@ -86,6 +86,8 @@ def late_launch(rows: int, early_next: bool = False) -> bool:
     if PDL_LATE is not None:
         return PDL_LATE
     return rows <= PDL_LATE_ROWS and not (early_next and EARLY_NEXT and rows == 1)
+
+
 BLOCK_K = 128  # columns a tile: 16 int32 words of a row (int4), 32 (int8)
 _BK = gl.constexpr(BLOCK_K) if gl else BLOCK_K  # the kernels' name for it
 
