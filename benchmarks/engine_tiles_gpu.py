@@ -92,7 +92,6 @@ def main() -> None:
     import kernels.wq_gluon as wq_gluon
     import kernels.wq_gluon_tune as tune
     from worker.engine.config import EngineConfig
-    from worker.engine.cuda_graphs import DecodeGraphs
     from worker.engine.llm_engine import LLMEngine
 
     launch = tune._launch
@@ -119,6 +118,7 @@ def main() -> None:
     shapes = projection_shapes(engine.model_config)
     keys = {}
     for proj, (n, k) in shapes.items():
+        # tuned_config's keys: (N, K, group, bits, rows bucket (1: one row), bias)
         found = [key for key in tune._tuned if key[:2] == (n, k) and key[4] == 1]
         assert len(found) == 1, (proj, found)
         keys[proj] = found[0]
@@ -131,16 +131,7 @@ def main() -> None:
         if proj is not None:
             tune._tuned[keys[proj]] = apply_changes(base[keys[proj]], changes)
         t = time.perf_counter()
-        graphs = runner.graphs
-        width = graphs.width * graphs.block_size
-        runner.graphs = None
-        del graphs
-        torch.cuda.synchronize()
-        torch.cuda.empty_cache()
-        runner.graphs = DecodeGraphs(runner.model, runner.kv_caches, runner.backend,
-                                     block_size=engine.config.block_size, max_model_len=width, max_batch=GRAPH_ROWS,
-                                     num_kv_heads=runner.model.kv_heads, device=runner.device,
-                                     size_step=engine.config.cuda_graph_step)
+        runner.capture_graphs()
         ms = [decode_step_ms(engine, 1, vocab, rng) for _ in range(args.repeats)]
         print(f"{label:28s} {' '.join(f'{m:.4f}' for m in ms)}   ({time.perf_counter() - t:.0f} s)", flush=True)
         return {"variant": label, "ms": ms,

@@ -130,21 +130,34 @@ class ModelRunner:
         self.kv_dtype = kv_storage_dtype(config)
         self.kv_caches = allocate_kv_pool(model_cfg.num_layers, num_blocks, config.block_size, model.kv_heads,
                                           model_cfg.head_dim, self.kv_dtype, self.device)
+        self.max_model_len = max_model_len
         self.graphs = self.verify_graphs = None
-        if config.cuda_graphs and self.device.type == "cuda":
-            from worker.engine.cuda_graphs import DecodeGraphs
+        self.capture_graphs()
 
-            self.graphs = DecodeGraphs(model, self.kv_caches, backend, block_size=config.block_size,
-                                       max_model_len=max_model_len, max_batch=config.max_num_seqs,
-                                       num_kv_heads=model.kv_heads, device=self.device,
-                                       size_step=config.cuda_graph_step)
-            spec = config.speculative_config
-            if spec is not None:  # verification steps replay graphs too, one row per token
-                self.verify_graphs = DecodeGraphs(
-                    model, self.kv_caches, backend, block_size=config.block_size, max_model_len=max_model_len,
-                    max_batch=min(config.max_num_seqs * (spec.num_tokens + 1), MAX_VERIFY_GRAPH_ROWS),
-                    num_kv_heads=model.kv_heads, device=self.device, size_step=config.cuda_graph_step,
-                    store_first=True)
+    def capture_graphs(self) -> None:
+        """The decode (and verification) CUDA graphs, captured anew over the kernels' current
+        choices, the old ones released first (benchmarks/engine_tiles_gpu.py swaps tiles between
+        captures); none off CUDA or with ``cuda_graphs`` off."""
+        config, model = self.config, self.model
+        if not (config.cuda_graphs and self.device.type == "cuda"):
+            return
+        from worker.engine.cuda_graphs import DecodeGraphs
+
+        if self.graphs is not None or self.verify_graphs is not None:  # captured before: their memory back first
+            self.graphs = self.verify_graphs = None
+            torch.cuda.synchronize(self.device)
+            torch.cuda.empty_cache()
+        self.graphs = DecodeGraphs(model, self.kv_caches, self.backend, block_size=config.block_size,
+                                   max_model_len=self.max_model_len, max_batch=config.max_num_seqs,
+                                   num_kv_heads=model.kv_heads, device=self.device,
+                                   size_step=config.cuda_graph_step)
+        spec = config.speculative_config
+        if spec is not None:  # verification steps replay graphs too, one row per token
+            self.verify_graphs = DecodeGraphs(
+                model, self.kv_caches, self.backend, block_size=config.block_size, max_model_len=self.max_model_len,
+                max_batch=min(config.max_num_seqs * (spec.num_tokens + 1), MAX_VERIFY_GRAPH_ROWS),
+                num_kv_heads=model.kv_heads, device=self.device, size_step=config.cuda_graph_step,
+                store_first=True)
 
     def run(self, batch: list[ScheduledSeq], draft_probs: list[torch.Tensor | None] | None = None
             ) -> tuple[list, list[list[TokenLogprob]] | None]:
