@@ -12,6 +12,8 @@ from contracts.models import BUILTIN_MODELS, resolve_model
 from worker.engine.config import EngineConfig
 from worker.engine.llm_engine import LLMEngine
 from worker.engine.sampling_params import SamplingParams
+from kernels import wquant
+from worker.models import quantization
 from worker.models.quantization import (LM_HEAD, QuantizedLinearWeight, QuantSpec, checkpoint_plan, layer_format,
                                         weight_bytes)
 
@@ -220,6 +222,71 @@ def test_many_requests_at_once_give_each_ones_solo_tokens_and_free_every_block(q
     params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
     solo = [engine.generate([p], params)[0] for p in prompt_ids]
     assert engine.generate(prompt_ids, params) == solo
+    engine.check_integrity()
+    assert engine.block_manager.num_used_blocks == 0
+
+
+# --- many rows on the CPU: unpacked to bf16 for oneDNN --------------------------------------------
+
+
+def _cpu_projection(n: int, k: int, bits: int, group: int) -> tuple[QuantizedLinearWeight, torch.Tensor]:
+    """A CPU projection in torch's packed form (finalized), and its weight dequantized."""
+    layer = QuantizedLinearWeight(n, k, QuantSpec(bits, group), device="cpu")
+    q = wquant.quantize(torch.randn(n, k, generator=torch.Generator().manual_seed(bits)) * k ** -0.5,
+                        layer.bits, layer.group_size)
+    layer.data.copy_(q)
+    layer.finalize()
+    return layer, q.dequantize(torch.float32)
+
+
+@pytest.mark.parametrize("bits, group", [(4, 32), (4, 128), (8, 128)])
+def test_a_cpu_projection_unpacked_for_many_rows_gives_the_packed_kernels_products(monkeypatch, bits, group):
+    monkeypatch.setattr(quantization, "CPU_UNPACK_SLAB", 128)  # three slabs, the last one short
+    layer, w = _cpu_projection(320, 256, bits, group)
+    x = torch.randn(24, 256, generator=torch.Generator().manual_seed(1)).bfloat16()
+    unpacked = layer._matmul_unpacked(x).float()
+    monkeypatch.setattr(quantization, "CPU_UNPACK_ROWS", 0)
+    packed = layer.matmul(x.float())  # torch's packed kernel
+    want = x.float() @ w.t()
+    # both round the sums to bf16 (2^-9 of a value); a row, group or nibble out of place is ~100%
+    bound = 0.01 * want.abs().max().item()
+    assert (unpacked - want).abs().max().item() < bound
+    assert (unpacked - packed).abs().max().item() < bound
+
+
+def test_a_cpu_projection_is_unpacked_from_its_rows_where_onednn_multiplies_bf16(monkeypatch):
+    layer, _ = _cpu_projection(320, 256, 4, 32)
+    rows = []
+    real = QuantizedLinearWeight._matmul_unpacked
+    monkeypatch.setattr(QuantizedLinearWeight, "_matmul_unpacked", lambda self, xb: rows.append(len(xb)) or real(self, xb))
+    monkeypatch.setattr(quantization, "bf16_gemm", lambda: True)
+    x = torch.randn(quantization.CPU_UNPACK_ROWS, 256)
+    for m in (1, quantization.CPU_UNPACK_ROWS - 1, quantization.CPU_UNPACK_ROWS):
+        assert layer.matmul(x[:m]).shape == (m, 320)
+    assert rows == [quantization.CPU_UNPACK_ROWS]  # a prefill chunk's rows, never a decode's
+    assert _cpu_projection(320, 256, 8, 128)[0].unpacks(1024)
+    assert not _cpu_projection(96, 256, 4, 32)[0].unpacks(1024)  # int4 outputs not in blocks of 64
+    monkeypatch.setattr(quantization, "bf16_gemm", lambda: False)  # (an AVX2 CPU)
+    assert not layer.unpacks(1024)
+    monkeypatch.setattr(quantization, "bf16_gemm", lambda: True)
+    monkeypatch.setattr(quantization, "CPU_UNPACK_ROWS", 0)  # KVCASCADE_CPU_UNPACK=0
+    assert not layer.unpacks(1024)
+
+
+@pytest.mark.skipif(not quantization.bf16_gemm(), reason="oneDNN has no bf16 on this CPU: nothing is unpacked")
+def test_a_long_prompt_prefilled_unpacked_stays_near_the_packed_kernels(quantized, monkeypatch):
+    engine = quantized["auto"]  # SmolLM2's Q4_1 as int4 in groups of 32, its Q8_0 head as int8
+    ids = engine.tokenize(prompt="The quick brown fox jumps over the lazy dog. " * 30)
+    assert quantization.CPU_UNPACK_ROWS <= len(ids) <= engine.config.max_num_batched_tokens  # one chunk
+    rows = []
+    real = QuantizedLinearWeight._matmul_unpacked
+    monkeypatch.setattr(QuantizedLinearWeight, "_matmul_unpacked", lambda self, xb: rows.append(len(xb)) or real(self, xb))
+    unpacked = _prompt_logprobs(engine, ids)
+    # every projection, and the head over the prompt's logprobs (in slices of rows)
+    assert rows[:4 * 30] == [len(ids)] * (4 * 30) and rows[4 * 30:]
+    monkeypatch.setattr(quantization, "CPU_UNPACK_ROWS", 0)
+    packed = _prompt_logprobs(engine, ids)
+    assert (unpacked - packed).abs().mean().item() < 0.05
     engine.check_integrity()
     assert engine.block_manager.num_used_blocks == 0
 

@@ -15,11 +15,19 @@ torchao's int4 CPU layout also calls, and ``aten._weight_int8pack_mm``): they ru
 activations (float32 ones take a scalar path ~15x slower, measured), so a quantized projection
 rounds its input to bf16 and returns the model's dtype. ``_weight_int8pack_mm`` takes one scale
 per output channel, so int8 on CPU is per channel; the int4 kernel takes groups of 32 to 256.
+Those kernels multiply at one rate whatever the rows (~80 G multiply-adds/s on 2 AVX-512 cores):
+right for decode, where the weight's bytes are the cost, 2.5-3x slower than oneDNN's bf16 GEMM for a
+prefill chunk. From ``CPU_UNPACK_ROWS`` rows (256), where oneDNN has bf16, a
+projection is unpacked to bf16 a slab of outputs at a time and multiplied by oneDNN
+(``_matmul_unpacked``): the packed bytes stay the only copy (docs/BENCHMARKS.md, "Prefill on the
+CPU from packed weights").
 """
 
 from __future__ import annotations
 
+import functools
 import logging
+import os
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -37,6 +45,20 @@ if TYPE_CHECKING:
 
 LM_HEAD = "lm_head"
 CPU_INT4_GROUPS = (32, 64, 128, 256)
+# rows from which a CPU projection is unpacked to bf16 for oneDNN. Measured on 2 AVX-512 cores,
+# Qwen2.5-1.5B's projections (benchmarks/cpu_quant_rows.py), unpacked against packed: int4 0.66-0.75x
+# at 512 rows, 0.91-1.05x at 256, 1.4-2.9x at 64; int8 0.29-0.47x at 256, 0.53-0.57x at 64. int8 pays
+# from fewer rows, but a row's bits then depend on the rows beside it (oneDNN's blocking), and below
+# 256 rows that would part a decode batch's or a speculative verification's tokens from a lone
+# request's; a step of 256 rows holds a prefill chunk. KVCASCADE_CPU_UNPACK=0: never (the A/B)
+CPU_UNPACK_ROWS = 256 if os.environ.get("KVCASCADE_CPU_UNPACK", "1") != "0" else 0
+CPU_UNPACK_SLAB = 1024  # output rows unpacked at a time: ~3 MB of bf16 at 1,536 inputs, cache-sized
+
+
+@functools.cache
+def bf16_gemm() -> bool:
+    """oneDNN multiplies bf16 natively on this CPU (AVX512-BF16 or AMX)."""
+    return torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
 
 
 @dataclass(frozen=True)
@@ -157,7 +179,9 @@ class QuantizedLinearWeight(nn.Module):
             return rms.apply(self.matmul(x), k, bias)
         if self._cpu is not None:
             xb = x2.to(torch.bfloat16)
-            if self.bits == 4:
+            if self.unpacks(xb.shape[0]):
+                out = self._matmul_unpacked(xb)
+            elif self.bits == 4:
                 out = torch.ops.aten._weight_int4pack_mm_for_cpu(xb, self._cpu[0], self.group_size, self._cpu[1])
             else:
                 out = torch.ops.aten._weight_int8pack_mm(xb, *self._cpu)
@@ -172,6 +196,32 @@ class QuantizedLinearWeight(nn.Module):
         else:
             out = F.linear(x2, self.data.dequantize(x.dtype), bias)
         return out.view(*lead, self.shape[0])
+
+    def unpacks(self, rows: int) -> bool:
+        """Whether a CPU matmul of ``rows`` rows goes through ``_matmul_unpacked`` (module docstring)."""
+        return (self._cpu is not None and 0 < CPU_UNPACK_ROWS <= rows
+                and (self.bits == 8 or self.shape[0] % 64 == 0) and bf16_gemm())
+
+    def _matmul_unpacked(self, xb: torch.Tensor) -> torch.Tensor:
+        """x W^T for bf16 rows ``xb``, W unpacked from torch's CPU form to bf16 ``CPU_UNPACK_SLAB``
+        output rows at a time, each slab multiplied by ``F.linear`` (oneDNN)."""
+        n, k = self.shape
+        packed, scales = self._cpu
+        out = torch.empty(xb.shape[0], n, dtype=torch.bfloat16)
+        for start in range(0, n, CPU_UNPACK_SLAB):
+            end = min(start + CPU_UNPACK_SLAB, n)
+            if self.bits == 8:  # [N, K] int8, one scale an output: the scale applied to the sums
+                out[:, start:end] = F.linear(xb, packed[start:end].to(torch.bfloat16)) * scales[start:end]
+                continue
+            # torch's int4 form: [N / 64, K, 32] bytes, a byte's low nibble an output of the block's
+            # first 32, its high nibble the same one of the last 32; [K / group, N, 2] (scale, zero
+            # point) with w = (q - 8) * scale + zero
+            blocks = packed.view(n // 64, k, 32)[start // 64:end // 64]
+            q = torch.cat((blocks & 15, blocks >> 4), dim=2).permute(0, 2, 1).reshape(end - start, -1, self.group_size)
+            scale, zero = (scales[:, start:end, i].t().contiguous().unsqueeze(-1) for i in (0, 1))
+            w = torch.addcmul(zero - 8 * scale, q.to(torch.bfloat16), scale).view(end - start, k)
+            out[:, start:end] = F.linear(xb, w)
+        return out
 
     def matmul_norm(self, x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float,
                     early_next: bool = False) -> tuple[torch.Tensor, torch.Tensor, RmsHandoff] | None:
