@@ -19,27 +19,17 @@ from __future__ import annotations
 import argparse
 import json
 import platform
-import time
 
 import torch
 import torch.nn.functional as F
 
+from dense_packed_rows import median_ms  # (this folder: the script's own)
 from kernels.wquant import quantize
-from worker.models.dense_packed import PackedDenseWeight, packable
 from worker.models import quantization
+from worker.models.dense_packed import PackedDenseWeight, packable
 from worker.models.quantization import QuantizedLinearWeight, QuantSpec
 
 SHAPES = {"qkv": (2048, 1536), "o": (1536, 1536), "gate_up": (17920, 1536), "down": (1536, 8960)}
-
-
-def median_ms(fn, repeats: int) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return sorted(times)[len(times) // 2] * 1e3
 
 
 def packed_linear(w: torch.Tensor, bits: int, group: int) -> tuple[QuantizedLinearWeight, torch.Tensor]:
