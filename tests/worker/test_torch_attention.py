@@ -14,6 +14,7 @@ from tests.conftest import PROMPTS
 from worker.engine.config import EngineConfig
 from worker.engine.llm_engine import LLMEngine
 from worker.engine.sampling_params import SamplingParams
+from worker.models import quantization
 from worker.models.attention import AttentionMetadata, TorchAttentionBackend
 
 BS, KVH, H, D = 4, 2, 6, 32
@@ -76,12 +77,15 @@ def test_a_prefill_chunk_gets_the_bits_of_the_whole_prompts_prefill():
     torch.testing.assert_close(whole, torch.einsum("hqk,khd->qhd", scores.softmax(-1), vals), rtol=1e-5, atol=1e-5)
 
 
-def test_packed_greedy_speculation_emits_the_plain_runs_tokens(smollm2):
+def test_packed_greedy_speculation_emits_the_plain_runs_tokens(smollm2, monkeypatch):
     """SmolLM2 served packed from its GGUF (the default, ``auto``; bf16 activations into the
     packed matmuls): n-gram speculation's output is the plain run's, one request at a time or all
     at once, and a request's answer is the same alone or batched, its prompt prefilled or found in
     the prefix cache. Before rows attended alone, 9 of these 11 prompts diverged within 64 tokens
-    one at a time."""
+    one at a time. The guarantee is the packed kernels' (``KVCASCADE_CPU_UNPACK=0``): the 11 prompts
+    prefilled at once make a step of 256 rows or more, which would otherwise be unpacked to bf16
+    (worker/models/quantization.py) and round differently from the same prompts one at a time."""
+    monkeypatch.setattr(quantization, "CPU_UNPACK_ROWS", 0)
     plain = LLMEngine(EngineConfig(model="smollm2-135m", quantization="auto"), tokenizer=smollm2.tokenizer)
     spec = LLMEngine(EngineConfig(model="smollm2-135m", quantization="auto", speculative="ngram",
                                   num_speculative_tokens=4), tokenizer=smollm2.tokenizer, model=plain.model)
