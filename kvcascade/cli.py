@@ -68,8 +68,8 @@ _ENGINE_FLAGS = (
                 "each with a scale per token and KV head: about twice the tokens of a bf16 pool in the same memory"),
     _EngineFlag("--quantization", "quantization", str,
                 "weight-only quantization (W8A16 / W4A16): none (dense floats), auto (a quantized checkpoint as it "
-                "ships: GGUF Q4_0/Q4_1/Q4_K as int4, Q8_0/Q6_K as int8), int8 or int4 (a float checkpoint quantized "
-                "at load, a scale per group of input columns); the LM head is int8"),
+                "ships: GGUF Q4_0/Q4_1/Q4_K as int4, Q5_0/Q8_0/Q6_K as int8), int8 or int4 (a float checkpoint "
+                "quantized at load, a scale per group of input columns); the LM head is int8"),
     _EngineFlag("--quantization-group-size", "quantization_group_size", int,
                 "input columns per int8/int4 scale: 16, 32, 64, 128 or 256"),
     _EngineFlag("--block-size", "block_size", int, "tokens per KV-cache block"),

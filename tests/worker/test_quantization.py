@@ -34,7 +34,7 @@ def _check_exact(data, kind, shape):
     assert torch.equal(w.dequantize(), torch.from_numpy(want)), kind.name
 
 
-@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q8_0"])
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q5_0", "Q8_0"])
 def test_gguf_blocks_made_by_the_gguf_package_repack_exactly(kind):
     t = gguf.GGMLQuantizationType[kind]
     data = quantize(np.random.default_rng(0).standard_normal((24, 256)).astype(np.float32), t)
@@ -57,8 +57,8 @@ def test_smollm2_gguf_tensors_repack_exactly():
 
 @pytest.mark.skipif(not has_qwen, reason="the Qwen2.5-Coder packages are not installed (scripts/install_qwen.sh)")
 def test_qwen_k_quant_tensors_repack_exactly():
-    found = list(_tensors_of(QWEN, {"Q4_K", "Q6_K"}))
-    assert {t.tensor_type.name for t in found} == {"Q4_K", "Q6_K"}
+    found = list(_tensors_of(QWEN, {"Q4_K", "Q5_0", "Q6_K"}))
+    assert {t.tensor_type.name for t in found} == {"Q4_K", "Q5_0", "Q6_K"}
     for t in found:
         _check_exact(t.data, t.tensor_type, [int(d) for d in reversed(t.shape)])
 
@@ -103,6 +103,19 @@ def test_a_quantized_checkpoint_serves_packed_by_default():
     assert plan is not None and plan.spec("model.layers.0.mlp.down_proj").bits == 4  # Q4_1
     assert quant_plan("none", 128, gguf, 30, True) is None
     assert quant_plan("auto", 128, resolve_model("dummy:tiny"), 2, False) is None
+
+
+@pytest.mark.skipif(not has_qwen, reason="the Qwen2.5-Coder packages are not installed (scripts/install_qwen.sh)")
+def test_the_cascade_small_tiers_q5_0_projections_serve_packed():
+    """Q4_K_M stores a projection whose inputs are not a multiple of 256 in Q5_0: most of
+    Qwen2.5-0.5B's (896 wide). They serve as int8 in groups of 32, not as floats."""
+    from worker.models.quantization import _FUSED, quant_plan
+
+    plan = quant_plan("auto", 128, resolve_model(QWEN), 24, False)
+    specs = [plan.spec(f"model.layers.{i}.{fused}") for i in range(24) for fused in _FUSED]
+    assert None not in specs
+    assert plan.spec("model.layers.0.self_attn.o_proj") == QuantSpec(8, 32)  # Q5_0
+    assert plan.spec("model.layers.0.mlp.gate_up_proj") == QuantSpec(8, 32)
 
 
 def test_int4_at_load_over_a_finer_4bit_checkpoint_says_what_it_costs(caplog):
@@ -258,7 +271,8 @@ def test_a_cpu_projection_is_unpacked_from_its_rows_where_onednn_multiplies_bf16
     layer, _ = _cpu_projection(320, 256, 4, 32)
     rows = []
     real = QuantizedLinearWeight._matmul_unpacked
-    monkeypatch.setattr(QuantizedLinearWeight, "_matmul_unpacked", lambda self, xb: rows.append(len(xb)) or real(self, xb))
+    monkeypatch.setattr(QuantizedLinearWeight, "_matmul_unpacked",
+                        lambda self, xb: rows.append(len(xb)) or real(self, xb))
     monkeypatch.setattr(quantization, "bf16_gemm", lambda: True)
     x = torch.randn(quantization.CPU_UNPACK_ROWS, 256)
     for m in (1, quantization.CPU_UNPACK_ROWS - 1, quantization.CPU_UNPACK_ROWS):
@@ -280,7 +294,8 @@ def test_a_long_prompt_prefilled_unpacked_stays_near_the_packed_kernels(quantize
     assert quantization.CPU_UNPACK_ROWS <= len(ids) <= engine.config.max_num_batched_tokens  # one chunk
     rows = []
     real = QuantizedLinearWeight._matmul_unpacked
-    monkeypatch.setattr(QuantizedLinearWeight, "_matmul_unpacked", lambda self, xb: rows.append(len(xb)) or real(self, xb))
+    monkeypatch.setattr(QuantizedLinearWeight, "_matmul_unpacked",
+                        lambda self, xb: rows.append(len(xb)) or real(self, xb))
     unpacked = _prompt_logprobs(engine, ids)
     # every projection, and the head over the prompt's logprobs (in slices of rows)
     assert rows[:4 * 30] == [len(ids)] * (4 * 30) and rows[4 * 30:]

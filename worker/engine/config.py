@@ -12,7 +12,7 @@ from protos.block_hash import DEFAULT_BLOCK_SIZE
 # kernels.kv_quant.KV_CACHE_DTYPES maps the quantized ones to storage dtypes
 KV_CACHE_DTYPE_NAMES = ("auto", "int8", "fp8")
 # --quantization's names (weight-only; worker/models/quantization.py): none (dense floats), auto
-# (a quantized checkpoint as it ships: GGUF Q4_0/Q4_1/Q4_K as int4, Q8_0/Q6_K as int8), int8, int4
+# (a quantized checkpoint as it ships: GGUF Q4_0/Q4_1/Q4_K as int4, Q5_0/Q8_0/Q6_K as int8), int8, int4
 QUANTIZATION_NAMES = ("none", "auto", "int8", "int4")
 
 

@@ -6,13 +6,17 @@ Each format below maps exactly (the same q, scales and biases; no rounding added
     Q4_1  32 weights: f16 d, f16 m, 16 bytes         w = d q + m              -> int4, group 32
     Q4_K  256 weights: f16 d, dmin, 12 bytes of      w = d sc_j q - dmin m_j  -> int4, group 32
           6-bit (sc_j, m_j) for 8 sub-blocks, 128 bytes of nibbles
+    Q5_0  32 weights: f16 d, 4 bytes of high bits,   w = d (q - 16)           -> int8, group 32
+          16 bytes of low nibbles
     Q8_0  32 weights: f16 d, 32 int8                 w = d q                  -> int8, group 32
     Q6_K  256 weights: 128 bytes low nibbles, 64 of  w = d sc_j (q - 32)      -> int8, group 16
           high 2-bit pairs, 16 int8 scales, f16 d
 
 In the nibble formats, byte j of a 32-weight (sub-)block holds weight j in its low nibble and
-weight j + 16 in its high one (Q4_K: a 32-byte run holds two sub-blocks, low then high). Other
-types (F32, F16, Q5_*, ...) are not repacked: they are dequantized by the ``gguf`` package as before.
+weight j + 16 in its high one (Q4_K: a 32-byte run holds two sub-blocks, low then high); Q5_0's
+high bits are a little-endian 32-bit word, bit j weight j's. Other types (F32, F16, Q5_1, Q5_K, ...)
+are not repacked: they are dequantized by the ``gguf`` package as before. (llama.cpp's Q4_K_M stores
+a projection whose inputs are not a multiple of 256 in Q5_0: most of Qwen2.5-0.5B's, 896 wide.)
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ import torch
 from kernels.wquant import QuantizedWeight, pack_int4
 
 # GGML type name -> (bits, group size) of its exact repacking
-REPACKED = {"Q4_0": (4, 32), "Q4_1": (4, 32), "Q4_K": (4, 32), "Q8_0": (8, 32), "Q6_K": (8, 16)}
+REPACKED = {"Q4_0": (4, 32), "Q4_1": (4, 32), "Q4_K": (4, 32), "Q5_0": (8, 32), "Q8_0": (8, 32), "Q6_K": (8, 16)}
 
 
 def repack(data: np.ndarray, type_name: str, rows: int, cols: int) -> QuantizedWeight:
@@ -78,6 +82,13 @@ def _q4_k(blocks, rows):
     return q, d * sc, -(dmin * m)
 
 
+def _q5_0(blocks, rows):
+    b = blocks.reshape(rows, -1, 22)
+    high = np.ascontiguousarray(b[..., 2:6]).view("<u4") >> np.arange(32, dtype=np.uint32) & 1
+    q = (_nibbles32(b[..., 6:]) | (high << 4).astype(np.uint8)).astype(np.int16) - 16
+    return q.astype(np.int8), _f16(b[..., :2]), None
+
+
 def _q8_0(blocks, rows):
     b = blocks.reshape(rows, -1, 34)
     return np.ascontiguousarray(b[..., 2:]).view(np.int8), _f16(b[..., :2]), None
@@ -98,4 +109,4 @@ def _q6_k(blocks, rows):
     return q, d * sc, None
 
 
-_UNPACK = {"Q4_0": _q4_0, "Q4_1": _q4_1, "Q4_K": _q4_k, "Q8_0": _q8_0, "Q6_K": _q6_k}
+_UNPACK = {"Q4_0": _q4_0, "Q4_1": _q4_1, "Q4_K": _q4_k, "Q5_0": _q5_0, "Q8_0": _q8_0, "Q6_K": _q6_k}
