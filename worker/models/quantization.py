@@ -17,10 +17,9 @@ rounds its input to bf16 and returns the model's dtype. ``_weight_int8pack_mm`` 
 per output channel, so int8 on CPU is per channel; the int4 kernel takes groups of 32 to 256.
 Those kernels multiply at one rate whatever the rows (~80 G multiply-adds/s on 2 AVX-512 cores):
 right for decode, where the weight's bytes are the cost, 2.5-3x slower than oneDNN's bf16 GEMM for a
-prefill chunk. From ``CPU_UNPACK_ROWS`` rows (256), where oneDNN has bf16, a
-projection is unpacked to bf16 a slab of outputs at a time and multiplied by oneDNN
-(``_matmul_unpacked``): the packed bytes stay the only copy (docs/BENCHMARKS.md, "Prefill on the
-CPU from packed weights").
+prefill chunk. From ``CPU_UNPACK_ROWS`` rows (256), where oneDNN has bf16, a projection is unpacked
+to bf16 a slab of outputs at a time and multiplied by oneDNN (``_matmul_unpacked``): the packed
+bytes stay the only copy (docs/BENCHMARKS.md, "Prefill on the CPU from packed weights").
 """
 
 from __future__ import annotations
@@ -46,13 +45,13 @@ if TYPE_CHECKING:
 LM_HEAD = "lm_head"
 CPU_INT4_GROUPS = (32, 64, 128, 256)
 # rows from which a CPU projection is unpacked to bf16 for oneDNN. Measured on 2 AVX-512 cores,
-# Qwen2.5-1.5B's projections (benchmarks/cpu_quant_rows.py), unpacked against packed: int4 0.66-0.75x
-# at 512 rows, 0.91-1.05x at 256, 1.4-2.9x at 64; int8 0.29-0.47x at 256, 0.53-0.57x at 64. int8 pays
+# Qwen2.5-1.5B's projections (benchmarks/cpu_quant_rows.py), unpacked against packed: int4 0.63-0.66x
+# at 512 rows, 0.90-0.92x at 256, 2.5x at 64; int8 0.26-0.46x at 256, 0.34-0.57x at 64. int8 pays
 # from fewer rows, but a row's bits then depend on the rows beside it (oneDNN's blocking), and below
 # 256 rows that would part a decode batch's or a speculative verification's tokens from a lone
 # request's; a step of 256 rows holds a prefill chunk. KVCASCADE_CPU_UNPACK=0: never (the A/B)
 CPU_UNPACK_ROWS = 256 if os.environ.get("KVCASCADE_CPU_UNPACK", "1") != "0" else 0
-CPU_UNPACK_SLAB = 1024  # output rows unpacked at a time: ~3 MB of bf16 at 1,536 inputs, cache-sized
+CPU_UNPACK_SLAB = 1024  # output rows unpacked at a time (a multiple of int4's blocks of 64): ~3 MB at 1,536 inputs
 
 
 @functools.cache
