@@ -252,6 +252,15 @@ def _cpu_projection(n: int, k: int, bits: int, group: int) -> tuple[QuantizedLin
     return layer, q.dequantize(torch.float32)
 
 
+def _unpacked_calls(monkeypatch) -> list[int]:
+    """The rows of each ``_matmul_unpacked`` call from now on (the calls still run)."""
+    rows: list[int] = []
+    real = QuantizedLinearWeight._matmul_unpacked
+    monkeypatch.setattr(QuantizedLinearWeight, "_matmul_unpacked",
+                        lambda self, xb: rows.append(len(xb)) or real(self, xb))
+    return rows
+
+
 @pytest.mark.parametrize("bits, group", [(4, 32), (4, 128), (8, 128)])
 def test_a_cpu_projection_unpacked_for_many_rows_gives_the_packed_kernels_products(monkeypatch, bits, group):
     monkeypatch.setattr(quantization, "CPU_UNPACK_SLAB", 128)  # three slabs, the last one short
@@ -269,10 +278,7 @@ def test_a_cpu_projection_unpacked_for_many_rows_gives_the_packed_kernels_produc
 
 def test_a_cpu_projection_is_unpacked_from_its_rows_where_onednn_multiplies_bf16(monkeypatch):
     layer, _ = _cpu_projection(320, 256, 4, 32)
-    rows = []
-    real = QuantizedLinearWeight._matmul_unpacked
-    monkeypatch.setattr(QuantizedLinearWeight, "_matmul_unpacked",
-                        lambda self, xb: rows.append(len(xb)) or real(self, xb))
+    rows = _unpacked_calls(monkeypatch)
     monkeypatch.setattr(quantization, "bf16_gemm", lambda: True)
     x = torch.randn(quantization.CPU_UNPACK_ROWS, 256)
     for m in (1, quantization.CPU_UNPACK_ROWS - 1, quantization.CPU_UNPACK_ROWS):
@@ -292,10 +298,7 @@ def test_a_long_prompt_prefilled_unpacked_stays_near_the_packed_kernels(quantize
     engine = quantized["auto"]  # SmolLM2's Q4_1 as int4 in groups of 32, its Q8_0 head as int8
     ids = engine.tokenize(prompt="The quick brown fox jumps over the lazy dog. " * 30)
     assert quantization.CPU_UNPACK_ROWS <= len(ids) <= engine.config.max_num_batched_tokens  # one chunk
-    rows = []
-    real = QuantizedLinearWeight._matmul_unpacked
-    monkeypatch.setattr(QuantizedLinearWeight, "_matmul_unpacked",
-                        lambda self, xb: rows.append(len(xb)) or real(self, xb))
+    rows = _unpacked_calls(monkeypatch)
     unpacked = _prompt_logprobs(engine, ids)
     # every projection, and the head over the prompt's logprobs (in slices of rows)
     assert rows[:4 * 30] == [len(ids)] * (4 * 30) and rows[4 * 30:]
